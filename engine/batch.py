@@ -1,0 +1,54 @@
+"""Packed batches: many (conversation, policy) prompts concatenated, with explicit metadata."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Token ids [T] of B sequences back to back; `cu_seqlens` [B+1]; one policy (adapter) index per sequence."""
+
+    ids: torch.Tensor           # [T] int64
+    cu_seqlens: torch.Tensor    # [B+1] int32
+    seq_adapter: torch.Tensor   # [B] int32
+    positions: torch.Tensor     # [T] int64, position inside its sequence
+    token_adapter: torch.Tensor  # [T] int32
+    max_seqlen: int
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens[-1].item() != self.ids.numel():
+            raise ValueError(f"cu_seqlens ends at {self.cu_seqlens[-1].item()}, but the batch has {self.ids.numel()} tokens")
+        if self.seq_adapter.numel() != self.cu_seqlens.numel() - 1:
+            raise ValueError("one adapter index per sequence is needed")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_adapter.numel()
+
+    @property
+    def last_idx(self) -> torch.Tensor:
+        return (self.cu_seqlens[1:] - 1).long()
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        return PackedBatch(*(t.to(device, non_blocking=True) for t in
+                             (self.ids, self.cu_seqlens, self.seq_adapter, self.positions, self.token_adapter)),
+                           max_seqlen=self.max_seqlen)
+
+
+def pack(seqs: list[list[int]] | list[torch.Tensor], adapters: list[int]) -> PackedBatch:
+    """Concatenate token-id sequences (each non-empty) with their adapter indices."""
+    if len(seqs) != len(adapters):
+        raise ValueError(f"{len(seqs)} sequences but {len(adapters)} adapter indices")
+    lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    if (lens <= 0).any():
+        raise ValueError("every sequence needs at least one token")
+    ids = torch.cat([torch.as_tensor(s, dtype=torch.int64) for s in seqs])
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    starts = torch.repeat_interleave(cu[:-1].long(), lens)
+    positions = torch.arange(ids.numel(), dtype=torch.int64) - starts
+    seq_adapter = torch.as_tensor(adapters, dtype=torch.int32)
+    return PackedBatch(ids, cu, seq_adapter, positions, torch.repeat_interleave(seq_adapter, lens),
+                       int(lens.max()))

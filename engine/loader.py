@@ -1,0 +1,122 @@
+"""Build a Decoder from a checkpoint and attach policies (stacked LoRA + head vectors)."""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from .checkpoint import Checkpoint, weight_name
+from .config import ModelConfig
+from .errors import PolicyError
+from .layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
+from .model import Decoder, DecoderLayer
+from .policy import Policy, check_policy
+from .quant import dequantize_weight, quantize_weight
+
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
+
+
+def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, fp8: bool = False) -> Decoder:
+    """Read each tensor once, straight into its final dtype and device (no second full copy of the model).
+
+    fp8=True keeps (or makes) e4m3 weights and uses Fp8LoraLinear; fp8=False uses 16/32-bit weights,
+    dequantizing an FP8 checkpoint (the CPU path)."""
+    cfg = ckpt.config
+
+    def get(name: str) -> torch.Tensor:
+        return ckpt.get(name).to(device)
+
+    def linear(layer: int, projs: tuple[str, ...], prologue: Prologue) -> DenseLoraLinear:
+        ws, scales, biases = [], [], []
+        for p in projs:
+            base = weight_name(layer, p)
+            w = get(base + ".weight")
+            if ckpt.fp8:
+                w, sc = w, get(base + ".weight_scale").float().reshape(-1)
+                if not fp8:
+                    w, sc = dequantize_weight(w, sc, dtype), None
+            elif fp8:
+                w, sc = quantize_weight(w)
+            else:
+                w, sc = w.to(dtype), None
+            ws.append(w)
+            scales.append(sc)
+            if cfg.qkv_bias and p in GROUPS["qkv"]:
+                biases.append(get(base + ".bias").float())
+        w = torch.cat(ws) if len(ws) > 1 else ws[0]
+        bias = torch.cat(biases) if biases else None
+        if fp8:
+            return Fp8LoraLinear(w, torch.cat(scales), bias, prologue, ops)
+        return DenseLoraLinear(w, bias, prologue, ops)
+
+    def norm(name: str) -> torch.Tensor:
+        return get(name).to(dtype)
+
+    layers = []
+    for i in range(cfg.layers):
+        pre = f"model.layers.{i}."
+        layers.append(DecoderLayer(
+            qkv=linear(i, GROUPS["qkv"], Prologue(norm(pre + "input_layernorm.weight"), cfg.rms_eps)),
+            o=linear(i, GROUPS["o"], Prologue()),
+            gate_up=linear(i, GROUPS["gate_up"], Prologue(norm(pre + "post_attention_layernorm.weight"), cfg.rms_eps)),
+            down=linear(i, GROUPS["down"], Prologue(silu_mul=True)),
+            q_norm=norm(pre + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+            k_norm=norm(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+        ))
+    embed = get("model.embed_tokens.weight").to(dtype)
+    decoder = Decoder(cfg, embed, layers, norm("model.norm.weight"), ops)
+    decoder.lm_head_rows = _head_reader(ckpt)
+    return decoder
+
+
+def _head_reader(ckpt: Checkpoint):
+    """Reads the two label rows of the output projection on demand (the full lm_head is never kept)."""
+    name = "model.embed_tokens.weight" if ckpt.config.tie_embeddings else "lm_head.weight"
+
+    def rows(ids: list[int]) -> torch.Tensor:
+        return ckpt.get(name)[ids].float()
+    return rows
+
+
+def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tuple[int, int]]) -> None:
+    """Stack every policy's LoRA per projection group and set the head vectors W[Violation] - W[Compliant].
+
+    Ranks are padded to the largest per projection; a policy without a projection gets zero rows there.
+    Adapter index i is policies[i]."""
+    cfg = decoder.cfg
+    if len({p.name for p in policies}) != len(policies):
+        raise PolicyError(f"two policies share a name: {[p.name for p in policies]}")
+    for p in policies:
+        check_policy(p, cfg)
+    flat = sorted({i for pair in label_ids for i in pair})
+    rows = dict(zip(flat, decoder.lm_head_rows(flat)))
+    decoder.head = torch.stack([rows[v] - rows[c] for c, v in label_ids]).to(decoder.device)
+    for i, layer in enumerate(decoder.layers):
+        for group, projs in GROUPS.items():
+            lin: DenseLoraLinear = getattr(layer, group)
+            lin.lora = _stack(cfg, i, projs, policies, decoder.dtype, decoder.device)
+
+
+def _stack(cfg: ModelConfig, layer: int, projs: tuple[str, ...], policies: list[Policy],
+           dtype: torch.dtype, device) -> LoraStack | None:
+    ranks = [max((p.lora.rank(layer, proj) for p in policies), default=0) for proj in projs]
+    R = sum(ranks)
+    if R == 0:
+        return None
+    K = cfg.proj_shape(projs[0])[1]
+    outs = [cfg.proj_shape(p)[0] for p in projs]
+    A = torch.zeros(len(policies), R, K)
+    B = torch.zeros(len(policies), sum(outs), R)
+    for n, pol in enumerate(policies):
+        r0, o0 = 0, 0
+        for proj, rmax, out in zip(projs, ranks, outs):
+            ab = pol.lora.factors.get((layer, proj))
+            if ab is not None:
+                a, b = ab
+                r = a.shape[0]
+                A[n, r0:r0 + r] = a
+                B[n, o0:o0 + out, r0:r0 + r] = b * pol.lora.scales[(layer, proj)]
+            r0, o0 = r0 + rmax, o0 + out
+    return LoraStack(A.to(device=device, dtype=dtype), B.to(device=device, dtype=dtype))

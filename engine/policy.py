@@ -1,0 +1,143 @@
+"""Policy bundles: a PEFT LoRA adapter plus policy.json (labels, template, calibration, threshold)."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .checkpoint import file_sha256
+from .config import PROJECTIONS, ModelConfig
+from .errors import PolicyError
+
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One adapter's factors: {(layer, proj): (A [r, in], B [out, r])} and each module's scale."""
+
+    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    scales: dict[tuple[int, str], float]
+
+    def rank(self, layer: int, proj: str) -> int:
+        ab = self.factors.get((layer, proj))
+        return 0 if ab is None else ab[0].shape[0]
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    path: Path
+    compliant: str
+    violation: str
+    lora: LoraWeights
+    adapter_sha256: str
+    prefix: str = ""
+    suffix: str = ""
+    a: float = 1.0
+    b: float = 0.0
+    threshold: float = 0.5
+    description: str = ""
+    calibration: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise PolicyError(f"{self.path}/policy.json: name {self.name!r} must be letters, digits, '_', '.', '-' "
+                              "(it becomes the column p_<name>)")
+        if not 0.0 < self.threshold < 1.0:
+            raise PolicyError(f"{self.path}/policy.json: threshold must be in (0, 1), got {self.threshold}")
+        if not (math.isfinite(self.a) and math.isfinite(self.b)):
+            raise PolicyError(f"{self.path}/policy.json: calibration a, b must be finite, got {self.a}, {self.b}")
+
+    def calibrate(self, f: torch.Tensor) -> torch.Tensor:
+        """Platt: p = sigmoid(a*f + b), in float64."""
+        return torch.sigmoid(self.a * f.double() + self.b)
+
+
+def load_policy(path: str | Path) -> Policy:
+    path = Path(path)
+    pj = path / "policy.json"
+    if not pj.is_file():
+        raise PolicyError(f"{path}: not a policy bundle (no policy.json); a bundle holds policy.json, "
+                          "adapter_config.json and adapter_model.safetensors")
+    try:
+        meta = json.loads(pj.read_text())
+    except json.JSONDecodeError as e:
+        raise PolicyError(f"{pj}: not valid JSON ({e})") from e
+    labels, template, calib = meta.get("labels") or {}, meta.get("template") or {}, meta.get("calibration") or {}
+    for key, where in (("name", meta), ("compliant", labels), ("violation", labels)):
+        if not isinstance(where.get(key), str) or not where.get(key):
+            raise PolicyError(f"{pj}: missing {'labels.' if where is labels else ''}{key} (a non-empty string)")
+    lora, sha = _load_adapter(path)
+    return Policy(
+        name=meta["name"], path=path, compliant=labels["compliant"], violation=labels["violation"],
+        lora=lora, adapter_sha256=sha, prefix=template.get("prefix", ""), suffix=template.get("suffix", ""),
+        a=float(calib.get("a", 1.0)), b=float(calib.get("b", 0.0)), threshold=float(meta.get("threshold", 0.5)),
+        description=meta.get("description", ""), calibration=calib,
+    )
+
+
+def _load_adapter(path: Path) -> tuple[LoraWeights, str]:
+    cfg_path, w_path = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not cfg_path.is_file() or not w_path.is_file():
+        bin_hint = " (adapter_model.bin is a pickle file and is never loaded)" if (path / "adapter_model.bin").exists() else ""
+        raise PolicyError(f"{path}: needs adapter_config.json and adapter_model.safetensors{bin_hint}")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise PolicyError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters are supported")
+    for key, ok in (("use_dora", False), ("fan_in_fan_out", False)):
+        if cfg.get(key, ok) != ok:
+            raise PolicyError(f"{cfg_path}: {key}={cfg[key]} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise PolicyError(f"{cfg_path}: bias={cfg['bias']!r}; only bias='none' adapters are supported")
+    if cfg.get("modules_to_save"):
+        raise PolicyError(f"{cfg_path}: modules_to_save={cfg['modules_to_save']} would change base weights; "
+                          "policyscan only applies LoRA factors")
+    factors: dict[tuple[int, str], list] = {}
+    with safe_open(w_path, framework="pt") as f:
+        for name in f.keys():
+            m = _KEY.search(name)
+            if m is None or m.group(2) not in PROJECTIONS:
+                raise PolicyError(f"{w_path}: tensor {name!r} is not a LoRA factor of "
+                                  f"{'/'.join(PROJECTIONS)}; policyscan cannot apply it")
+            slot = factors.setdefault((int(m.group(1)), m.group(2)), [None, None])
+            slot[0 if m.group(3) == "A" else 1] = f.get_tensor(name).float()
+    alpha, rslora = float(cfg.get("lora_alpha", cfg.get("r", 8))), bool(cfg.get("use_rslora", False))
+    out, scales = {}, {}
+    for (layer, proj), (a, b) in factors.items():
+        if a is None or b is None:
+            raise PolicyError(f"{w_path}: layer {layer} {proj} has lora_{'A' if a is None else 'B'} missing")
+        if a.shape[0] != b.shape[1]:
+            raise PolicyError(f"{w_path}: layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
+                              f"{tuple(b.shape)} disagree on the rank")
+        r = a.shape[0]
+        al = _pattern(cfg.get("alpha_pattern") or {}, layer, proj, alpha)
+        scales[(layer, proj)] = al / math.sqrt(r) if rslora else al / r
+        out[(layer, proj)] = (a, b)
+    return LoraWeights(out, scales), file_sha256(w_path)
+
+
+def _pattern(patterns: dict, layer: int, proj: str, default: float) -> float:
+    """PEFT's alpha_pattern: keys match the end of the module name (or are regexes)."""
+    module = f"model.layers.{layer}.{'self_attn' if proj[0] in 'qkvo' else 'mlp'}.{proj}"
+    for key, value in patterns.items():
+        if module.endswith(key) or re.fullmatch(rf"(.*\.)?{key}", module):
+            return float(value)
+    return default
+
+
+def check_policy(policy: Policy, cfg: ModelConfig) -> None:
+    """The adapter's tensors must fit the base model's projections."""
+    for (layer, proj), (a, b) in policy.lora.factors.items():
+        where = f"policy {policy.name!r} ({policy.path}): layer {layer} {proj}"
+        if layer >= cfg.layers:
+            raise PolicyError(f"{where}: the model has only {cfg.layers} layers; is this adapter for another model?")
+        out_f, in_f = cfg.proj_shape(proj)
+        if a.shape[1] != in_f or b.shape[0] != out_f:
+            raise PolicyError(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
+                              f"model's {proj} ({out_f} x {in_f}); is this adapter for another model?")

@@ -1,0 +1,108 @@
+"""Torch twins of the Triton kernels: same signatures, same rounding points; the CPU engine runs on these.
+
+Conventions shared with the kernels:
+- `token_adapter` [T] int32: the adapter of each token's sequence, -1 for none.
+- LoRA stacks: A [n, R, K], B [n, N, R] with the scale folded into B. `s = x @ A[a].T` is kept in fp32 and
+  rounded to the compute dtype right before the expand (tensor cores take 16-bit operands).
+- Accumulation in fp32; one rounding to the output dtype at the end.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Semantics: (x / sqrt(mean(x^2) + eps)) * weight, in fp32, rounded to x.dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantization: x8 = x / scale with scale = amax(|row|) / 448 (1 for an all-zero row)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.squeeze(-1)
+
+
+def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_adapter: torch.Tensor) -> torch.Tensor:
+    """Semantics: s[t] = x[t] @ A[token_adapter[t]].T in fp32 (zeros where token_adapter is -1)."""
+    s = torch.zeros(x.shape[0], A.shape[1], dtype=torch.float32, device=x.device)
+    for a in torch.unique(token_adapter).tolist():  # a loop over adapters present, never over tokens
+        if a < 0:
+            continue
+        rows = (token_adapter == a).nonzero().squeeze(1)
+        s[rows] = x[rows].float() @ A[a].float().T
+    return s
+
+
+def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
+             A: torch.Tensor | None, token_adapter: torch.Tensor, quant: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Semantics: h = rmsnorm(x) | silu(x[:, :N]) * x[:, N:] | x, rounded to x.dtype;
+    returns (quantize_rows(h) or h, its row scales or None, lora_shrink(h, A) or None)."""
+    if norm_weight is not None:
+        h = rmsnorm(x, norm_weight, eps)
+    elif silu_mul:
+        g, u = x.float().chunk(2, dim=-1)
+        h = (F.silu(g) * u).to(x.dtype)
+    else:
+        h = x
+    s = lora_shrink(h, A, token_adapter) if A is not None else None
+    if quant:
+        h8, scale = quantize_rows(h)
+        return h8, scale, s
+    return h, None, s
+
+
+def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
+              s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
+              bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
+    (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K]."""
+    acc = x.float() @ W.float().T
+    if x_scale is not None:
+        acc = acc * (x_scale.float()[:, None] * w_scale.float()[None, :])
+    if s is not None:
+        lo = s.to(B.dtype).float()
+        for a in torch.unique(token_adapter).tolist():
+            if a < 0:
+                continue
+            rows = (token_adapter == a).nonzero().squeeze(1)
+            acc[rows] += lo[rows] @ B[a].float().T
+    if bias is not None:
+        acc = acc + bias.float()
+    if residual is not None:
+        acc = acc + residual.float()
+    return acc.to(out_dtype)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float, window: int | None = None, last_only: bool = False) -> torch.Tensor:
+    """Semantics: causal softmax(q k^T * scale) v within each packed sequence (GQA: heads share kv heads),
+    fp32 inside, rounded to q.dtype. q [Tq, H, D], k/v [T, Hkv, D]; with last_only, q holds only each
+    sequence's last token (Tq = number of sequences). `window` limits each query to its last `window` keys."""
+    H, Hkv = q.shape[1], k.shape[1]
+    bounds = cu_seqlens.tolist()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for i in range(len(bounds) - 1):  # per sequence: sequences never see each other
+        s, e = bounds[i], bounds[i + 1]
+        kk = k[s:e].float().transpose(0, 1).repeat_interleave(H // Hkv, 0)
+        vv = v[s:e].float().transpose(0, 1).repeat_interleave(H // Hkv, 0)
+        qq = (q[i:i + 1] if last_only else q[s:e]).float().transpose(0, 1)
+        n, m = qq.shape[1], e - s
+        qpos = torch.arange(m - n, m, device=q.device)[:, None]
+        kpos = torch.arange(m, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
+        if last_only:
+            out[i] = o[:, 0].to(q.dtype)
+        else:
+            out[s:e] = o.transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,102 @@
+"""Tiny random Hugging Face checkpoints and PEFT policy bundles, and HF + PEFT reference scores."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ODD = dict(hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6,
+           num_key_value_heads=2, vocab_size=211, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+def hf_config(arch: str, tie: bool = False, **over):
+    import transformers as tf
+
+    kw = dict(ODD, tie_word_embeddings=tie, **over)
+    if arch == "llama":
+        kw.setdefault("rope_parameters", {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})
+        return tf.LlamaConfig(**kw)
+    if arch == "mistral":
+        kw.setdefault("sliding_window", 9)  # shorter than the longest test sequence: the window matters
+        return tf.MistralConfig(**kw)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**kw)
+    if arch == "qwen3":
+        kw.setdefault("head_dim", 20)  # heads * head_dim != hidden, as in real Qwen3 models
+        return tf.Qwen3Config(**kw)
+    raise ValueError(arch)
+
+
+def make_model(path: Path, arch: str, tie: bool = False, seed: int = 0, shard: str | None = None, **over):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(arch, tie, **over), dtype=torch.float32)
+    with torch.no_grad():  # random norms and biases too, so a skipped norm weight or bias shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    kw = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(path, **kw)
+    return model
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    r: int
+    targets: tuple[str, ...]
+    alpha: float = 16.0
+    rslora: bool = False
+
+
+SPECS = [
+    AdapterSpec(1, ("q_proj", "v_proj")),
+    AdapterSpec(8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 32.0, True),
+    AdapterSpec(5, ("k_proj", "o_proj", "down_proj", "up_proj"), 7.0),
+]
+
+
+def make_policy(base_model, path: Path, name: str, spec: AdapterSpec, seed: int, compliant: int = 3,
+                violation: int = 7) -> None:
+    """A PEFT adapter with random A and B (B not zero), and a policy.json naming two label token ids."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets), use_rslora=spec.rslora,
+                     init_lora_weights=False, lora_dropout=0.0)
+    peft_model = get_peft_model(base_model, cfg)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.mul_(0.5)  # adapters that move f by about as much as the base model's own spread
+    peft_model.save_pretrained(path)
+    peft_model.unload()  # restore base_model for the next adapter
+    (path / "policy.json").write_text(json.dumps({
+        "name": name, "labels": {"compliant": f"<{compliant}>", "violation": f"<{violation}>"}}))
+
+
+def hf_scores(model_dir: Path, policy_dirs: list[Path], seqs: list[list[int]], adapters: list[int],
+              label_ids: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """f per sequence from transformers + PEFT, one sequence at a time (no padding), in `dtype`."""
+    import transformers as tf
+    from peft import PeftModel
+
+    base = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    model = PeftModel.from_pretrained(base, policy_dirs[0], adapter_name="p0")
+    for i, d in enumerate(policy_dirs[1:], 1):
+        model.load_adapter(d, adapter_name=f"p{i}")
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for ids, a in zip(seqs, adapters):
+            model.set_adapter(f"p{a}")
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+            c, v = label_ids[a]
+            out.append(logits[v] - logits[c])
+    return torch.stack(out)
