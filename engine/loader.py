@@ -18,37 +18,33 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("
 
 
 def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, fp8: bool = False) -> Decoder:
+                 dtype: torch.dtype = torch.float32, fp8: bool = False, w8a8: bool = False) -> Decoder:
     """Read each tensor once, straight into its final dtype and device (no second full copy of the model).
 
-    fp8=True keeps (or makes) e4m3 weights and uses Fp8LoraLinear; fp8=False uses 16/32-bit weights,
-    dequantizing an FP8 checkpoint (the CPU path)."""
+    fp8: base weights go through e4m3 with per-channel scales (kept from an FP8 checkpoint, else quantized).
+    w8a8: keep them e4m3 in Fp8LoraLinear (the GPU kernels); otherwise dequantize to `dtype` (the CPU path).
+    An FP8 checkpoint is always FP8."""
     cfg = ckpt.config
+    fp8 = fp8 or ckpt.fp8
 
     def get(name: str) -> torch.Tensor:
         return ckpt.get(name).to(device)
 
+    def weight(base: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = get(base + ".weight")
+        if not fp8:
+            return w.to(dtype), None
+        w8, scale = (w, get(base + ".weight_scale").float().reshape(-1)) if ckpt.fp8 else quantize_weight(w)
+        return (w8, scale) if w8a8 else (dequantize_weight(w8, scale, dtype), None)
+
     def linear(layer: int, projs: tuple[str, ...], prologue: Prologue) -> DenseLoraLinear:
-        ws, scales, biases = [], [], []
-        for p in projs:
-            base = weight_name(layer, p)
-            w = get(base + ".weight")
-            if ckpt.fp8:
-                w, sc = w, get(base + ".weight_scale").float().reshape(-1)
-                if not fp8:
-                    w, sc = dequantize_weight(w, sc, dtype), None
-            elif fp8:
-                w, sc = quantize_weight(w)
-            else:
-                w, sc = w.to(dtype), None
-            ws.append(w)
-            scales.append(sc)
-            if cfg.qkv_bias and p in GROUPS["qkv"]:
-                biases.append(get(base + ".bias").float())
-        w = torch.cat(ws) if len(ws) > 1 else ws[0]
-        bias = torch.cat(biases) if biases else None
-        if fp8:
-            return Fp8LoraLinear(w, torch.cat(scales), bias, prologue, ops)
+        pairs = [weight(weight_name(layer, p)) for p in projs]
+        w = torch.cat([w for w, _ in pairs])
+        bias = None
+        if cfg.qkv_bias and projs == GROUPS["qkv"]:
+            bias = torch.cat([get(weight_name(layer, p) + ".bias").float() for p in projs])
+        if fp8 and w8a8:
+            return Fp8LoraLinear(w, torch.cat([s for _, s in pairs]), bias, prologue, ops)
         return DenseLoraLinear(w, bias, prologue, ops)
 
     def norm(name: str) -> torch.Tensor:
@@ -66,9 +62,7 @@ def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str =
             k_norm=norm(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None,
         ))
     embed = get("model.embed_tokens.weight").to(dtype)
-    decoder = Decoder(cfg, embed, layers, norm("model.norm.weight"), ops)
-    decoder.lm_head_rows = _head_reader(ckpt)
-    return decoder
+    return Decoder(cfg, embed, layers, norm("model.norm.weight"), ops, _head_reader(ckpt))
 
 
 def _head_reader(ckpt: Checkpoint):
@@ -91,7 +85,7 @@ def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tu
     for p in policies:
         check_policy(p, cfg)
     flat = sorted({i for pair in label_ids for i in pair})
-    rows = dict(zip(flat, decoder.lm_head_rows(flat)))
+    rows = dict(zip(flat, decoder.head_rows(flat)))
     decoder.head = torch.stack([rows[v] - rows[c] for c, v in label_ids]).to(decoder.device)
     for i, layer in enumerate(decoder.layers):
         for group, projs in GROUPS.items():

@@ -1,6 +1,7 @@
 """The decoder (Llama / Mistral / Qwen2 / Qwen3) over packed multi-LoRA batches, reading f from two tokens."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -25,8 +26,9 @@ class Decoder:
     """Embeddings, layers, final norm, and per-policy head vectors W[Violation] - W[Compliant]."""
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: torch.Tensor,
-                 ops: ModuleType):
+                 ops: ModuleType, head_rows: Callable[[list[int]], torch.Tensor]):
         self.cfg, self.embed, self.layers, self.norm, self.ops = cfg, embed, layers, norm, ops
+        self.head_rows = head_rows  # label ids -> rows of the output projection (fp32)
         self.head: torch.Tensor | None = None  # [n_policies, hidden] fp32, set by attach_policies
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
 

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -54,9 +55,9 @@ class Policy:
         if not (math.isfinite(self.a) and math.isfinite(self.b)):
             raise PolicyError(f"{self.path}/policy.json: calibration a, b must be finite, got {self.a}, {self.b}")
 
-    def calibrate(self, f: torch.Tensor) -> torch.Tensor:
+    def calibrate_np(self, f: np.ndarray) -> np.ndarray:
         """Platt: p = sigmoid(a*f + b), in float64."""
-        return torch.sigmoid(self.a * f.double() + self.b)
+        return 1.0 / (1.0 + np.exp(-(self.a * f.astype(np.float64) + self.b)))
 
 
 def load_policy(path: str | Path) -> Policy:
@@ -141,3 +142,23 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
         if a.shape[1] != in_f or b.shape[0] != out_f:
             raise PolicyError(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
                               f"model's {proj} ({out_f} x {in_f}); is this adapter for another model?")
+
+
+def load_policies(paths: list[str | Path]) -> list[Policy]:
+    """Each path is a bundle (has policy.json) or a folder of bundles (taken in name order)."""
+    out: list[Policy] = []
+    for path in map(Path, paths):
+        if (path / "policy.json").is_file():
+            out.append(load_policy(path))
+        elif path.is_dir():
+            bundles = sorted(d for d in path.iterdir() if (d / "policy.json").is_file())
+            if not bundles:
+                raise PolicyError(f"{path}: neither a policy bundle nor a folder of bundles (no policy.json)")
+            out += [load_policy(d) for d in bundles]
+        else:
+            raise PolicyError(f"{path}: no such policy bundle or folder")
+    names = [p.name for p in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise PolicyError(f"policy names must be unique; {sorted(dup)} appear more than once")
+    return out

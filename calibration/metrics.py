@@ -1,0 +1,52 @@
+"""Calibration and ranking metrics on probabilities p and 0/1 labels y."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def log_loss(p: np.ndarray, y: np.ndarray, eps: float = 1e-15) -> float:
+    p = np.clip(np.asarray(p, dtype=np.float64), eps, 1 - eps)
+    y = np.asarray(y, dtype=np.float64)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)))
+
+
+def brier(p: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean((np.asarray(p, dtype=np.float64) - np.asarray(y, dtype=np.float64)) ** 2))
+
+
+def reliability(p: np.ndarray, y: np.ndarray, bins: int = 15) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per equal-width bin: mean predicted p, observed frequency, count (empty bins have count 0)."""
+    p, y = np.asarray(p, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    idx = np.minimum((p * bins).astype(int), bins - 1)
+    count = np.bincount(idx, minlength=bins).astype(np.float64)
+    conf = np.bincount(idx, weights=p, minlength=bins)
+    acc = np.bincount(idx, weights=y, minlength=bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, conf / count, 0), np.where(count > 0, acc / count, 0), count
+
+
+def ece(p: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
+    """Expected calibration error: bin-weighted |observed frequency - mean p| over 15 equal-width bins."""
+    conf, acc, count = reliability(p, y, bins)
+    return float(np.sum(count * np.abs(acc - conf)) / max(count.sum(), 1))
+
+
+def roc_auc(score: np.ndarray, y: np.ndarray) -> float:
+    """Probability that a random positive outranks a random negative (ties count half)."""
+    score, y = np.asarray(score, dtype=np.float64), np.asarray(y).astype(bool)
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(score, kind="mergesort")
+    ranks = np.empty(len(score))
+    sorted_s = score[order]
+    # average ranks over ties
+    uniq, start, counts = np.unique(sorted_s, return_index=True, return_counts=True)
+    avg = start + (counts + 1) / 2.0
+    ranks[order] = np.repeat(avg, counts)
+    return float((ranks[y].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def summary(p: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    return {"log_loss": log_loss(p, y), "brier": brier(p, y), "ece": ece(p, y), "roc_auc": roc_auc(p, y),
+            "rows": int(len(y)), "positives": int(np.sum(y))}

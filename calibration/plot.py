@@ -1,0 +1,31 @@
+"""Reliability diagram (matplotlib is an optional extra: pip install policyscan[plot])."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .metrics import reliability
+
+
+def reliability_plot(path: Path, title: str, curves: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """curves: label -> (p, y). Writes a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'policyscan[plot]'") from e
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 1], [0, 1], ":", color="gray", label="perfect")
+    for label, (p, y) in curves.items():
+        conf, acc, count = reliability(p, y)
+        keep = count > 0
+        ax.plot(conf[keep], acc[keep], "o-", label=label)
+    ax.set(xlabel="predicted probability of violation", ylabel="observed frequency", title=title,
+           xlim=(0, 1), ylim=(0, 1))
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

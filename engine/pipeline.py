@@ -1,0 +1,203 @@
+"""Score files: sources -> prompts -> engine -> sinks, with row accounting that always balances."""
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import file_sha256
+from .errors import InputError
+from .prompts import render_messages
+from .runner import Engine
+from .sinks import ErrorWriter, ScoreWriter, read_metadata
+from .sources import Chunk, PartialFileError, ReadSpec, read_chunks
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    fmt: str = "parquet"
+    layout: str = "wide"
+    raw: bool = False
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fmt not in ("parquet", "jsonl"):
+            raise InputError(f"--format must be parquet or jsonl, got {self.fmt!r}")
+        if self.layout not in ("wide", "long"):
+            raise InputError(f"--layout must be wide or long, got {self.layout!r}")
+
+
+@dataclass
+class Accounting:
+    rows_in: int = 0
+    rows_scored: int = 0
+    rows_in_errors: int = 0
+    files_in_errors: int = 0
+    prompt_tokens: int = 0
+    truncated_prompts: int = 0
+    clipped_conversations: int = 0
+    seconds: float = 0.0
+    above_threshold: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: "Accounting") -> None:
+        for k, v in asdict(other).items():
+            if k == "above_threshold":
+                for name, n in v.items():
+                    self.above_threshold[name] = self.above_threshold.get(name, 0) + n
+            else:
+                setattr(self, k, getattr(self, k) + v)
+
+    @property
+    def balanced(self) -> bool:
+        return self.rows_in == self.rows_scored + self.rows_in_errors
+
+
+class StrictStop(InputError):
+    """--strict: the first row that cannot be scored ends the run."""
+
+
+def run_key(engine: Engine, spec: ReadSpec, out: OutputSpec, input_sha: str) -> str:
+    """What an output depends on: input bytes, model, adapters and calibration, and every setting."""
+    d = engine.describe()
+    parts = {"input": input_sha, "model": d["model"]["sha256"], "policies": d["policies"],
+             "settings": d["settings"], "precision": d["precision"], "read": asdict(spec), "out": asdict(out),
+             "version": d["policyscan_version"]}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def up_to_date(output: Path, key: str) -> bool:
+    meta = read_metadata(output) if output.exists() else None
+    return bool(meta) and meta.get("run_key") == key and meta.get("accounting", {}).get("balanced", False)
+
+
+def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path, spec: ReadSpec, out: OutputSpec,
+                 progress: Callable[[int, int], None] | None = None, key: str | None = None) -> Accounting:
+    """Score `inputs` into one output file (and one errors file); both appear whole or not at all."""
+    names = [p.name for p in engine.policies]
+    writer, err = ScoreWriter(output, out.fmt, out.layout, names, out.raw), ErrorWriter(errors)
+    acc = Accounting(above_threshold={n: 0 for n in names})
+    t0 = time.perf_counter()
+    try:
+        for item in _prefetch(_encoded(engine, inputs, spec)):
+            if isinstance(item, FileFailure):
+                _file_failure(item, err, acc, out.strict)
+                continue
+            _score_chunk(engine, *item, writer, err, acc, out.strict)
+            if progress:
+                progress(len(item[0]), acc.prompt_tokens)
+        acc.seconds = time.perf_counter() - t0
+        meta = {**engine.describe(), "inputs": [{"path": str(p), "sha256": file_sha256(p)} for p in inputs],
+                "read": asdict(spec), "output": asdict(out), "errors_file": str(errors) if err.count else None,
+                "accounting": {**asdict(acc), "balanced": acc.balanced}, "run_key": key}
+        err.commit()
+        writer.commit(meta)
+    except BaseException:
+        writer.abort()
+        err.abort()
+        raise
+    return acc
+
+
+@dataclass(frozen=True)
+class FileFailure:
+    """A file that could not be read (whole, or from row `done` on): accounted by the consumer."""
+
+    path: Path
+    error: InputError
+    done: int
+
+
+def _encoded(engine: Engine, inputs: list[Path], spec: ReadSpec) -> Iterator[tuple[Chunk, list] | FileFailure]:
+    """Chunks with their valid conversations tokenized (runs in the prefetch thread)."""
+    cfg = engine.encoder.tokenizer_config
+
+    def render(messages: list) -> str:
+        return render_messages(messages, None, cfg)
+
+    for path in inputs:
+        done = 0
+        try:
+            for chunk in read_chunks(path, spec, render):
+                done += len(chunk)
+                texts = [t for t in chunk.texts if t is not None]
+                yield chunk, [np.asarray(ids, dtype=np.int64) for ids in engine.encoder.encode_batch(texts)]
+        except InputError as e:
+            yield FileFailure(path, e, done)
+
+
+def _file_failure(ff: FileFailure, err: ErrorWriter, acc: Accounting, strict: bool) -> None:
+    if strict:
+        raise StrictStop(str(ff.error)) from ff.error
+    acc.files_in_errors += 1
+    total = ff.error.total if isinstance(ff.error, PartialFileError) else None
+    lost = 0 if total is None else total - ff.done
+    if lost:  # rows the Parquet footer promises but that could not be read: each one accounted
+        acc.rows_in += lost
+        acc.rows_in_errors += lost
+        for r in range(ff.done, total):
+            err.add(str(ff.path), r, None, None, str(ff.error))
+    else:
+        err.add(str(ff.path), None, None, None, str(ff.error))
+
+
+def _score_chunk(engine: Engine, chunk: Chunk, convs: list[np.ndarray], writer: ScoreWriter, err: ErrorWriter,
+                 acc: Accounting, strict: bool) -> None:
+    ok = np.array([e is None for e in chunk.errors], dtype=bool)
+    acc.rows_in += len(chunk)
+    acc.clipped_conversations += chunk.clipped
+    for i in np.flatnonzero(~ok):
+        line = chunk.lines[i] if chunk.lines else None
+        where = f"line {line}" if line else f"row {chunk.first_row + int(i)}"
+        if strict:
+            raise StrictStop(f"{chunk.path}, {where}: {chunk.errors[i]} (--strict stops at the first bad row)")
+        err.add(chunk.path, chunk.first_row + int(i), line, chunk.ids[int(i)].as_py(), chunk.errors[i])
+    acc.rows_in_errors += int((~ok).sum())
+    f, tokens, truncated = engine.score_conversations(convs)
+    p = np.stack([pol.calibrate_np(f[:, j]) for j, pol in enumerate(engine.policies)], axis=1) \
+        if len(convs) else np.zeros((0, len(engine.policies)))
+    idx = np.flatnonzero(ok)
+    writer.write(chunk.ids.take(idx), {k: v.take(idx) for k, v in chunk.keep.items()}, p, f.astype(np.float64))
+    acc.rows_scored += len(idx)
+    acc.prompt_tokens += tokens
+    acc.truncated_prompts += truncated
+    for j, pol in enumerate(engine.policies):
+        acc.above_threshold[pol.name] += int((p[:, j] >= pol.threshold).sum())
+
+
+def _prefetch(it: Iterator, depth: int = 2) -> Iterator:
+    """Run a generator in a thread, `depth` items ahead: reading and tokenizing overlap the GPU."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def work() -> None:
+        try:
+            for item in it:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(end)
+        except BaseException as e:  # re-raised in the consumer
+            q.put(e)
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    try:
+        while (item := q.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

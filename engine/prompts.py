@@ -1,0 +1,133 @@
+"""Conversation x policy -> token ids: [BOS] + enc(prefix) + enc(conversation) + enc(suffix).
+
+Each piece is encoded without special tokens. gigatoken is the fast path (about 70x faster than
+`tokenizers` on 2 cores, measured on byte-level BPE); it is used only after it agreed with `tokenizers`
+on probe texts, and any tokenizer it refuses falls back to `tokenizers`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from .errors import CheckpointError, PolicyError
+from .policy import Policy
+
+PROBES = ["Hello, world!", "  leading spaces\tand\ttabs\n\nnew lines  ", "Ünïcödé — 中文 ✓ 😀 émoji",
+          "user: my SSN is 123-45-6789.\nassistant: I can't store that.", "numbers 3.14159 and 1,000,000",
+          "<|begin_of_text|>not special here?", "'s 're 've 'll don't CAPS MiXeD", ""]
+
+
+class TextEncoder:
+    """Encodes texts without special tokens; knows the BOS the tokenizer adds and the chat template."""
+
+    def __init__(self, model_dir: str | Path, fast: bool = True):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir}: no tokenizer.json; policyscan needs the fast-tokenizer file")
+        self.tok = Tokenizer.from_file(str(path))
+        self.fast = _gigatoken(path, self.tok) if fast else None
+        plain = self.tok.encode("a", add_special_tokens=False).ids
+        full = self.tok.encode("a", add_special_tokens=True).ids
+        self.bos: int | None = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
+        cfg_path = model_dir / "tokenizer_config.json"
+        self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.backend = "gigatoken" if self.fast is not None else "tokenizers"
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if self.fast is not None:
+            return self.fast.encode_batch_list(texts)
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def single_token(self, label: str, policy: Policy) -> int:
+        ids = self.tok.encode(label, add_special_tokens=False).ids
+        if len(ids) != 1:
+            pieces = [self.tok.id_to_token(i) for i in ids]
+            raise PolicyError(f"policy {policy.name!r} ({policy.path}): label {label!r} is {len(ids)} tokens "
+                              f"{pieces} for this model's tokenizer; each label must be exactly one token")
+        return ids[0]
+
+
+def _gigatoken(path: Path, tok: Tokenizer):
+    try:
+        import gigatoken
+
+        fast = gigatoken.Tokenizer(str(path))
+        got = fast.encode_batch_list(PROBES)
+    except Exception:  # gigatoken refuses some pre-tokenizers (custom Split, Sequence, non-byte-level)
+        return None
+    want = [e.ids for e in tok.encode_batch(PROBES, add_special_tokens=False)]
+    return fast if got == want else None
+
+
+@dataclass(frozen=True)
+class PromptBuilder:
+    """One policy's fixed pieces; builds prompts with left truncation of the conversation."""
+
+    bos: tuple[int, ...]
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+    max_length: int
+
+    def __post_init__(self) -> None:
+        fixed = len(self.bos) + len(self.prefix) + len(self.suffix)
+        if fixed >= self.max_length:
+            raise PolicyError(f"the policy's prefix and suffix take {fixed} tokens, leaving none of "
+                              f"--max-length {self.max_length} for the conversation; raise --max-length")
+
+    @classmethod
+    def for_policy(cls, enc: TextEncoder, policy: Policy, max_length: int) -> "PromptBuilder":
+        return cls(tuple([enc.bos] if enc.bos is not None else []), tuple(enc.encode(policy.prefix)),
+                   tuple(enc.encode(policy.suffix)), max_length)
+
+    @property
+    def budget(self) -> int:
+        """Conversation tokens that fit."""
+        return self.max_length - len(self.bos) - len(self.prefix) - len(self.suffix)
+
+    def build(self, conversation) -> tuple[list[int], bool]:
+        """(ids, truncated): the latest conversation tokens are kept when it is too long."""
+        cut = len(conversation) > self.budget
+        conv = conversation[len(conversation) - self.budget:] if cut else conversation
+        return [*self.bos, *self.prefix, *list(conv), *self.suffix], cut
+
+
+def render_messages(messages: list[dict], template: str | None, tokenizer_config: dict) -> str:
+    """A messages list -> text through a chat template in a sandboxed Jinja environment.
+
+    BOS is rendered empty: it is added as a token id, never through the text."""
+    if template is None:
+        template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # some tokenizer_config.json files hold named templates
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not template:
+        return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return _compile(template).render(messages=messages, bos_token="", add_generation_prompt=False,
+                                     eos_token=_token_str(tokenizer_config.get("eos_token")))
+
+
+_TEMPLATES: dict[str, object] = {}
+
+
+def _compile(template: str):
+    if template not in _TEMPLATES:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        _TEMPLATES[template] = env.from_string(template)
+    return _TEMPLATES[template]
+
+
+def _raise(message: str):
+    raise ValueError(f"chat template: {message}")
+
+
+def _token_str(tok) -> str:
+    return tok.get("content", "") if isinstance(tok, dict) else (tok or "")

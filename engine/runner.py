@@ -1,0 +1,133 @@
+"""The engine's public API: a model + policies on a device; prompts in, f values out."""
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .batch import pack
+from .batcher import plan_batches
+from .checkpoint import Checkpoint
+from .errors import PolicyscanError
+from .loader import attach_policies, load_decoder
+from .policy import Policy
+from .prompts import PromptBuilder, TextEncoder
+
+PRECISIONS = ("auto", "fp8", "bf16", "fp32")
+DTYPES = {"fp8": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("policyscan")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    device: str = "auto"
+    precision: str = "auto"
+    batch_tokens: int = 16384
+    max_length: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise PolicyscanError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise PolicyscanError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.max_length < 2:
+            raise PolicyscanError(f"--max-length must be at least 2, got {self.max_length}")
+        if self.batch_tokens < self.max_length:
+            raise PolicyscanError(f"--batch-tokens ({self.batch_tokens}) must be at least --max-length "
+                                  f"({self.max_length}): a whole prompt must fit in one batch")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise PolicyscanError(f"--device {name}: no CUDA GPU is visible; use --device cpu")
+    return torch.device(name)
+
+
+class Engine:
+    """Loads the model and policies once; `score` runs packed multi-LoRA batches and returns f per prompt."""
+
+    def __init__(self, model_dir: str | Path, policies: list[Policy], settings: EngineSettings = EngineSettings()):
+        if not policies:
+            raise PolicyscanError("no policies given: pass --policies DIR (a bundle or a folder of bundles)")
+        self.settings, self.policies = settings, policies
+        self.device = resolve_device(settings.device)
+        gpu = self.device.type == "cuda"
+        self.precision = settings.precision if settings.precision != "auto" else ("fp8" if gpu else "fp32")
+        self.checkpoint = Checkpoint.open(model_dir)
+        if self.checkpoint.fp8 and self.precision != "fp8":
+            self.precision = "fp8"  # the weights are FP8; computing in 16 bits would not make them more precise
+        self.encoder = TextEncoder(model_dir)
+        label_ids = [(self.encoder.single_token(p.compliant, p), self.encoder.single_token(p.violation, p))
+                     for p in policies]
+        self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
+        ops = _ops(gpu)
+        dtype = DTYPES[self.precision] if gpu else (torch.bfloat16 if self.precision == "bf16" else torch.float32)
+        self.decoder = load_decoder(self.checkpoint, ops, self.device, dtype, fp8=self.precision == "fp8",
+                                    w8a8=gpu and self.precision == "fp8")
+        attach_policies(self.decoder, policies, label_ids)
+
+    def score(self, prompts: list[list[int]], adapters: list[int] | np.ndarray) -> np.ndarray:
+        """f (float32) for each prompt, in the order given; prompts are token-id lists, adapters index policies."""
+        lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
+        return self._run(lengths, np.asarray(adapters, dtype=np.int64), lambda i, a: prompts[i])
+
+    def score_conversations(self, convs: list[np.ndarray]) -> tuple[np.ndarray, int, int]:
+        """f [conversations, policies] for encoded conversations, every one under every policy; also the number
+        of prompt tokens and of truncated prompts. Prompts are assembled batch by batch, never all at once."""
+        n, k = len(convs), len(self.builders)
+        conv_len = np.fromiter((len(c) for c in convs), dtype=np.int64, count=n)
+        fixed = np.array([b.max_length - b.budget for b in self.builders], dtype=np.int64)
+        budget = np.array([b.budget for b in self.builders], dtype=np.int64)
+        lengths = (fixed[None, :] + np.minimum(conv_len[:, None], budget[None, :])).reshape(-1)
+        truncated = int((conv_len[:, None] > budget[None, :]).sum())
+        adapters = np.tile(np.arange(k), n)
+        f = self._run(lengths, adapters, lambda i, a: self.builders[a].build(convs[i // k])[0])
+        return f.reshape(n, k), int(lengths.sum()), truncated
+
+    def _run(self, lengths: np.ndarray, adapters: np.ndarray, prompt) -> np.ndarray:
+        f = np.empty(len(lengths), dtype=np.float32)
+        with torch.inference_mode():
+            for plan in plan_batches(lengths, adapters, self.settings.batch_tokens):
+                items = plan.items.tolist()
+                batch = pack([prompt(i, adapters[i]) for i in items], adapters[plan.items].tolist())
+                f[plan.items] = self.decoder.forward(batch.to(self.device)).cpu().numpy()
+        return f
+
+    def describe(self) -> dict:
+        """Everything an auditor needs to reproduce a run: model, adapters, calibration, settings, versions."""
+        return {
+            "policyscan_version": version(), "torch_version": torch.__version__,
+            "model": {"path": str(self.checkpoint.model_dir.resolve()), "sha256": self.model_sha256,
+                      "arch": self.checkpoint.config.arch, "fp8_checkpoint": self.checkpoint.fp8},
+            "device": str(self.device), "precision": self.precision, "tokenizer_backend": self.encoder.backend,
+            "settings": asdict(self.settings),
+            "policies": [{"name": p.name, "path": str(p.path.resolve()), "adapter_sha256": p.adapter_sha256,
+                          "labels": [p.compliant, p.violation], "prefix": p.prefix, "suffix": p.suffix,
+                          "calibration": {**p.calibration, "a": p.a, "b": p.b}, "threshold": p.threshold}
+                         for p in self.policies],
+        }
+
+    @property
+    def model_sha256(self) -> str:
+        if not hasattr(self, "_model_sha"):
+            self._model_sha = self.checkpoint.fingerprint()
+        return self._model_sha
+
+
+def _ops(gpu: bool):
+    if gpu:
+        from ..kernels import triton_ops
+        return triton_ops
+    from ..kernels import reference
+    return reference
