@@ -1,0 +1,59 @@
+"""Shared CLI pieces: default model and policies, engine options, errors printed for people."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from ..engine.errors import PolicyscanError
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_ROW_ERRORS = 0, 1, 2, 3
+
+
+def default_model() -> str:
+    return os.environ.get("POLICYSCAN_MODEL") or str(SAMPLE / "model")
+
+
+def default_policies() -> tuple[str, ...]:
+    env = os.environ.get("POLICYSCAN_POLICIES")
+    return tuple(env.split(os.pathsep)) if env else (str(SAMPLE / "policies"),)
+
+
+def model_option(f):
+    return click.option("--model", "model", default=None, metavar="DIR",
+                        help="Hugging Face model directory [default: $POLICYSCAN_MODEL, else the sample model]")(f)
+
+
+def engine_options(f):
+    """--device, --precision, --batch-tokens, --max-length."""
+    for opt in reversed([
+        click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N"),
+        click.option("--precision", default="auto", show_default=True,
+                     type=click.Choice(["auto", "fp8", "bf16", "fp32"]),
+                     help="auto: FP8 on a GPU, fp32 on the CPU"),
+        click.option("--batch-tokens", default=16384, show_default=True, type=click.IntRange(2),
+                     help="prompt tokens per packed batch"),
+        click.option("--max-length", default=2048, show_default=True, type=click.IntRange(2),
+                     help="longest prompt; longer conversations lose their oldest tokens"),
+    ]):
+        f = opt(f)
+    return f
+
+
+def friendly_errors(f):
+    """PolicyscanError -> one line on stderr and exit 1 (2 for usage); Ctrl-C -> exit 130, no traceback."""
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except PolicyscanError as e:
+            click.echo(f"policyscan: error: {e}", err=True)
+            sys.exit(EXIT_FAILURE)
+        except KeyboardInterrupt:
+            click.echo("policyscan: interrupted; no partial output was left behind", err=True)
+            sys.exit(130)
+    return wrapper
