@@ -74,7 +74,7 @@ class Decoder:
                 q_cos, q_sin = cos, sin
             q, k = apply_rope(q, q_cos, q_sin), apply_rope(k, cos, sin)
             attn = ops.varlen_attention(q, k, v, batch.cu_seqlens, cfg.head_dim ** -0.5,
-                                        cfg.sliding_window, last_only=last_only)
+                                        cfg.sliding_window, last_only=last_only, max_seqlen=batch.max_seqlen)
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
             h = layer.o(attn.reshape(h.shape[0], -1), tok_ad, residual=h)

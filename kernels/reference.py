@@ -4,7 +4,8 @@ Conventions shared with the kernels:
 - `token_adapter` [T] int32: the adapter of each token's sequence, -1 for none.
 - LoRA stacks: A [n, R, K], B [n, N, R] with the scale folded into B. `s = x @ A[a].T` is kept in fp32 and
   rounded to the compute dtype right before the expand (tensor cores take 16-bit operands).
-- Accumulation in fp32; one rounding to the output dtype at the end.
+- Accumulation in fp32 (fp64 when the inputs are fp64: the tests' exact reference); one rounding to the
+  output dtype at the end.
 """
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
+def _acc(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Semantics: (x / sqrt(mean(x^2) + eps)) * weight, in fp32, rounded to x.dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    xf = x.to(_acc(x))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xf.dtype)).to(x.dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,12 +36,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_adapter: torch.Tensor) -> torch.Tensor:
     """Semantics: s[t] = x[t] @ A[token_adapter[t]].T in fp32 (zeros where token_adapter is -1)."""
-    s = torch.zeros(x.shape[0], A.shape[1], dtype=torch.float32, device=x.device)
+    s = torch.zeros(x.shape[0], A.shape[1], dtype=_acc(x), device=x.device)
     for a in torch.unique(token_adapter).tolist():  # a loop over adapters present, never over tokens
         if a < 0:
             continue
         rows = (token_adapter == a).nonzero().squeeze(1)
-        s[rows] = x[rows].float() @ A[a].float().T
+        s[rows] = x[rows].to(s.dtype) @ A[a].to(s.dtype).T
     return s
 
 
@@ -48,7 +53,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu
     if norm_weight is not None:
         h = rmsnorm(x, norm_weight, eps)
     elif silu_mul:
-        g, u = x.float().chunk(2, dim=-1)
+        g, u = x.to(_acc(x)).chunk(2, dim=-1)
         h = (F.silu(g) * u).to(x.dtype)
     else:
         h = x
@@ -64,36 +69,40 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
     (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K]."""
-    acc = x.float() @ W.float().T
+    dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
+    acc = x.to(dt) @ W.to(dt).T
     if x_scale is not None:
-        acc = acc * (x_scale.float()[:, None] * w_scale.float()[None, :])
+        acc = acc * (x_scale.to(dt)[:, None] * w_scale.to(dt)[None, :])
     if s is not None:
-        lo = s.to(B.dtype).float()
+        lo = s.to(B.dtype).to(dt)
         for a in torch.unique(token_adapter).tolist():
             if a < 0:
                 continue
             rows = (token_adapter == a).nonzero().squeeze(1)
-            acc[rows] += lo[rows] @ B[a].float().T
+            acc[rows] += lo[rows] @ B[a].to(dt).T
     if bias is not None:
-        acc = acc + bias.float()
+        acc = acc + bias.to(dt)
     if residual is not None:
-        acc = acc + residual.float()
+        acc = acc + residual.to(dt)
     return acc.to(out_dtype)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float, window: int | None = None, last_only: bool = False) -> torch.Tensor:
+                     scale: float, window: int | None = None, last_only: bool = False,
+                     max_seqlen: int | None = None) -> torch.Tensor:
     """Semantics: causal softmax(q k^T * scale) v within each packed sequence (GQA: heads share kv heads),
     fp32 inside, rounded to q.dtype. q [Tq, H, D], k/v [T, Hkv, D]; with last_only, q holds only each
-    sequence's last token (Tq = number of sequences). `window` limits each query to its last `window` keys."""
+    sequence's last token (Tq = number of sequences). `window` limits each query to its last `window` keys.
+    max_seqlen is a hint the Triton twin uses for its grid."""
     H, Hkv = q.shape[1], k.shape[1]
     bounds = cu_seqlens.tolist()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for i in range(len(bounds) - 1):  # per sequence: sequences never see each other
         s, e = bounds[i], bounds[i + 1]
-        kk = k[s:e].float().transpose(0, 1).repeat_interleave(H // Hkv, 0)
-        vv = v[s:e].float().transpose(0, 1).repeat_interleave(H // Hkv, 0)
-        qq = (q[i:i + 1] if last_only else q[s:e]).float().transpose(0, 1)
+        dt = _acc(q)
+        kk = k[s:e].to(dt).transpose(0, 1).repeat_interleave(H // Hkv, 0)
+        vv = v[s:e].to(dt).transpose(0, 1).repeat_interleave(H // Hkv, 0)
+        qq = (q[i:i + 1] if last_only else q[s:e]).to(dt).transpose(0, 1)
         n, m = qq.shape[1], e - s
         qpos = torch.arange(m - n, m, device=q.device)[:, None]
         kpos = torch.arange(m, device=q.device)[None, :]

@@ -1,0 +1,129 @@
+"""Fused (FP8 or 16/32-bit) GEMM + multi-LoRA expand (+ bias, + residual) in one kernel.
+
+Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype) @ B[token_adapter].T
+(+ bias) (+ residual), fp32 accumulation, one rounding to y's dtype — reference.lora_gemm.
+
+Why fused: the expand reads s [M, R] and one [BN, R] slice of B per tile; doing it in the epilogue saves
+a full read-modify-write of y [M, N] that a separate expand kernel costs.
+Batch invariance: tile sizes depend only on (N, K) and the dtype, never on M, and K is reduced in one
+fixed order, so a row's result does not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lora_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+    M, N, K, R,
+    stride_xm, stride_wn, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
+    HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    # grouped tile order: neighbouring programs share W tiles in L2
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok, n_ok = rm < M, rn < N
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        k_ok = rk < K - k * BK
+        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        x_ptrs += BK
+        w_ptrs += BK
+    if HAS_SCALE:
+        xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
+        ws = tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+    if HAS_LORA:
+        ad = tl.load(ad_ptr + rm, mask=m_ok, other=-1)
+        big = 2147483647
+        lo = tl.min(tl.where(ad >= 0, ad, big), axis=0)
+        hi = tl.max(ad, axis=0)
+        rr = tl.arange(0, BR)
+        s = tl.load(s_ptr + rm[:, None] * stride_sm + rr[None, :], mask=m_ok[:, None] & (rr[None, :] < R), other=0.0)
+        s = s.to(b_ptr.dtype.element_ty)
+        # Rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows per adapter.
+        for a_id in range(lo, hi + 1):
+            mine = ad == a_id
+            bt = tl.load(b_ptr + a_id * stride_bn_a + rn[:, None] * stride_bn + rr[None, :],
+                         mask=n_ok[:, None] & (rr[None, :] < R), other=0.0)
+            acc = tl.dot(tl.where(mine[:, None], s, 0.0).to(bt.dtype), tl.trans(bt), acc, input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        acc += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict:
+    """Tile shape per (N, K, dtype) only. 128x256x128, 8 warps, 3 stages matched torch._scaled_mm at the
+    W1 shapes on the H200 (DESIGN.md); small N gets narrower tiles so the grid still fills 132 SMs."""
+    if interpret:
+        return dict(BM=16, BN=32, BK=32, GROUP_M=4, num_warps=4, num_stages=1)
+    if dtype == torch.float8_e4m3fn:
+        bn = 256 if N >= 4096 else 128
+        return dict(BM=128, BN=bn, BK=128, GROUP_M=8, num_warps=8, num_stages=3 if bn == 256 else 4)
+    return dict(BM=128, BN=128 if N >= 2048 else 64, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
+              s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
+              bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher; same semantics as reference.lora_gemm. x [M, K], W [N, K], B [n, N, R]; `out` is written
+    in place when given."""
+    M, K = x.shape
+    N = W.shape[0]
+    if W.shape[1] != K or x.dtype != W.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and W {tuple(W.shape)} {W.dtype} do not fit")
+    if x.stride(1) != 1 or W.stride(1) != 1:
+        raise ValueError("x and W need a contiguous last dimension")
+    if (x_scale is None) != (w_scale is None) or (x_scale is not None and (x_scale.numel() != M or w_scale.numel() != N)):
+        raise ValueError("x_scale [M] and w_scale [N] come together")
+    if (s is None) != (B is None):
+        raise ValueError("s and B come together")
+    R = 0
+    if s is not None:
+        R = s.shape[1]
+        if s.dtype != torch.float32 or s.shape[0] != M or B.shape[1:] != (N, R) or B.stride(2) != 1:
+            raise ValueError(f"s {tuple(s.shape)} {s.dtype} / B {tuple(B.shape)} do not fit M={M}, N={N}")
+        if token_adapter.dtype != torch.int32 or token_adapter.numel() != M:
+            raise ValueError("token_adapter must be int32 [M]")
+    if residual is not None and (residual.shape != (M, N) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be [M, N] = [{M}, {N}] with a contiguous last dimension")
+    if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or out.stride(1) != 1):
+        raise ValueError(f"out must be [{M}, {N}] {out_dtype} with a contiguous last dimension")
+    y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0:
+        return y
+    cfg = _config(N, K, x.dtype, x.device.type == "cpu")
+    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+    dummy = y
+    _lora_gemm_kernel[grid](
+        x, W, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
+        s if s is not None else dummy, B if B is not None else dummy,
+        token_adapter, bias if bias is not None else dummy, residual if residual is not None else dummy,
+        M, N, K, R, x.stride(0), W.stride(0), y.stride(0),
+        s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
+        residual.stride(0) if residual is not None else 0,
+        HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, PREC="ieee" if x.dtype == torch.float32 else "tf32", BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
+    return y

@@ -1,0 +1,139 @@
+"""Prologue of a linear layer: RMSNorm or SiLU-and-mul, per-token FP8 quantization and the LoRA shrink.
+
+Semantics: h = rmsnorm(x, w) | silu(x[:, :K]) * x[:, K:] | x, rounded to x.dtype;
+(h8, h_scale) = quantize_rows(h) when quantizing (else h itself); s = h @ A[token_adapter].T in fp32
+(zeros for adapter -1) — reference.prologue.
+
+The shrink reads the 16-bit h, never the FP8 one (DESIGN.md). One program owns BM rows and sweeps K in
+chunks: once for the norm's sum of squares, once for the row amax (quantizing), once to write and shrink;
+the re-reads of its 16 rows hit L2.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM: tl.constexpr, SILU: tl.constexpr):
+    k_ok = rk < K
+    mask = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+    if NORM:
+        w = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+        h = (x.to(tl.float32) * rstd[:, None] * w[None, :]).to(x.dtype)
+    elif SILU:
+        u = tl.load(x_ptr + rm[:, None] * stride_xm + K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = x.to(tl.float32)
+        h = (g / (1.0 + tl.exp(-g)) * u).to(x.dtype)
+    else:
+        h = x
+    return h
+
+
+@triton.jit
+def _prologue_kernel(
+    x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr,
+    M, K, R, eps,
+    stride_xm, stride_hm, stride_an, stride_ar, stride_sm,
+    NORM: tl.constexpr, SILU: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr,
+):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = rm < M
+    nk = tl.cdiv(K, BK)
+    rstd = tl.zeros((BM,), dtype=tl.float32)
+    if NORM:
+        ss = tl.zeros((BM,), dtype=tl.float32)
+        for k in range(0, nk):
+            rk = k * BK + tl.arange(0, BK)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk[None, :] < K),
+                        other=0.0).to(tl.float32)
+            ss += tl.sum(x * x, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    scale = tl.full((BM,), 1.0, dtype=tl.float32)
+    if QUANT:
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for k in range(0, nk):
+            rk = k * BK + tl.arange(0, BK)
+            h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM, SILU).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        tl.store(hs_ptr + rm, scale, mask=m_ok)
+    rr = tl.arange(0, BR)
+    sacc = tl.zeros((BM, BR), dtype=tl.float32)
+    lo = 0
+    hi = -1
+    ad = tl.full((BM,), -1, dtype=tl.int32)
+    if HAS_LORA:
+        ad = tl.load(ad_ptr + rm, mask=m_ok, other=-1)
+        lo = tl.min(tl.where(ad >= 0, ad, 2147483647), axis=0)
+        hi = tl.max(ad, axis=0)
+    for k in range(0, nk):
+        rk = k * BK + tl.arange(0, BK)
+        mask = m_ok[:, None] & (rk[None, :] < K)
+        h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM, SILU)
+        out_ptrs = h_ptr + rm[:, None] * stride_hm + rk[None, :]
+        if QUANT:
+            q = tl.clamp(h.to(tl.float32) / scale[:, None], -448.0, 448.0)
+            tl.store(out_ptrs, q.to(h_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
+        if HAS_LORA:
+            for a_id in range(lo, hi + 1):  # rows are sorted by adapter: usually one pass
+                at = tl.load(a_ptr + a_id * stride_an + rr[:, None] * stride_ar + rk[None, :],
+                             mask=(rr[:, None] < R) & (rk[None, :] < K), other=0.0)
+                part = tl.dot(h.to(at.dtype), tl.trans(at), input_precision=PREC)
+                sacc += tl.where((ad == a_id)[:, None], part, 0.0)
+    if HAS_LORA:
+        tl.store(s_ptr + rm[:, None] * stride_sm + rr[None, :], sacc, mask=m_ok[:, None] & (rr[None, :] < R))
+
+
+def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
+             A: torch.Tensor | None, token_adapter: torch.Tensor, quant: bool,
+             out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launcher; same semantics as reference.prologue. x [M, K] (or [M, 2K] with silu_mul); `out`
+    (h, h_scale, s) is written in place when given."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D with a contiguous last dimension, got {tuple(x.shape)}")
+    if norm_weight is not None and silu_mul:
+        raise ValueError("RMSNorm or SiLU-and-mul, not both")
+    M, K = x.shape[0], x.shape[1] // 2 if silu_mul else x.shape[1]
+    if silu_mul and x.shape[1] % 2:
+        raise ValueError(f"SiLU-and-mul needs an even width, got {x.shape[1]}")
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not fit width {K}")
+    R = 0
+    if A is not None:
+        R = A.shape[1]
+        if A.shape[2] != K or A.stride(2) != 1 or A.dtype != x.dtype:
+            raise ValueError(f"A {tuple(A.shape)} {A.dtype} does not fit x [{M}, {K}] {x.dtype}")
+        if token_adapter.dtype != torch.int32 or token_adapter.numel() != M:
+            raise ValueError("token_adapter must be int32 [M]")
+    if out is None:
+        h = torch.empty((M, K), dtype=torch.float8_e4m3fn if quant else x.dtype, device=x.device)
+        hs = torch.empty(M, dtype=torch.float32, device=x.device) if quant else None
+        s = torch.empty((M, R), dtype=torch.float32, device=x.device) if A is not None else None
+    else:
+        h, hs, s = out
+        if h.shape != (M, K) or h.stride(1) != 1 or (hs is None) == quant or (s is None) != (A is None):
+            raise ValueError("out (h, h_scale, s) does not fit this call")
+    if M == 0:
+        return h, hs, s
+    interpret = x.device.type == "cpu"
+    BM = 16
+    BK = 32 if interpret else min(256, triton.next_power_of_2(K))
+    dummy = h
+    _prologue_kernel[(triton.cdiv(M, BM),)](
+        x, norm_weight if norm_weight is not None else dummy, A if A is not None else dummy, token_adapter,
+        h, hs if hs is not None else dummy, s if s is not None else dummy,
+        M, K, R, eps, x.stride(0), h.stride(0), A.stride(0) if A is not None else 0,
+        A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0,
+        NORM=norm_weight is not None, SILU=silu_mul, QUANT=quant, HAS_LORA=A is not None,
+        BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))),
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+    return h, hs, s

@@ -1,0 +1,63 @@
+"""Random kernel inputs with the shapes that break kernels: odd sizes, rank 1, skewed adapters, rows with none.
+
+Tolerance rule: a kernel may be off from the fp64 reference by at most twice what the same-precision torch
+computation (the reference twin) is off, plus a couple of ulps of the output dtype for the final rounding."""
+from __future__ import annotations
+
+import torch
+
+from policyscan.kernels import reference
+
+
+def adapters_for(rows: int, n: int, g: torch.Generator, device) -> torch.Tensor:
+    """Sorted adapter ids with skewed popularity (Zipf-like) and a run of -1 (sequences with no adapter)."""
+    weights = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** 1.2
+    ids = torch.multinomial(weights, rows, replacement=True, generator=g)
+    ids[torch.rand(rows, generator=g) < 0.1] = -1
+    return ids.sort().values.to(torch.int32).to(device)
+
+
+def lora_stack(n: int, r: int, out: int, k: int, dtype, g, device):
+    A = (torch.randn(n, r, k, generator=g) / k ** 0.5).to(dtype).to(device)
+    B = (torch.randn(n, out, r, generator=g) / r ** 0.5).to(dtype).to(device)
+    return A, B
+
+
+def tol(ref_same: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype) -> float:
+    eps = torch.finfo(dtype).eps
+    return 2 * (ref_same.double() - ref64).abs().max().item() + 2 * eps * ref64.abs().max().item()
+
+
+def check(out: torch.Tensor, ref_same: torch.Tensor, ref64: torch.Tensor, what: str) -> None:
+    assert torch.isfinite(out.double()).all(), f"{what}: non-finite values (unwritten output?)"
+    err = (out.double() - ref64).abs().max().item()
+    bound = tol(ref_same, ref64, out.dtype if out.dtype.is_floating_point else torch.float32)
+    assert err <= bound, f"{what}: max error {err:.3e} > bound {bound:.3e}"
+
+
+def gemm_case(M, N, K, r, n_ad, dtype, fp8, residual, bias, g, device):
+    """Inputs for lora_gemm; x/W already e4m3 when fp8 (quantized by the twin's own quantizer)."""
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    W = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(device)
+    xs = ws = None
+    if fp8:
+        x, xs = reference.quantize_rows(x)
+        Wq, ws = reference.quantize_rows(W)
+        W = Wq
+    ad = adapters_for(M, n_ad, g, device)
+    A, B = lora_stack(n_ad, r, N, K, dtype, g, device)
+    s = (torch.randn(M, r, generator=g) * 0.5).to(device)
+    res = torch.randn(M, N, generator=g).to(dtype).to(device) if residual else None
+    b = torch.randn(N, generator=g).to(device) if bias else None
+    return dict(x=x, x_scale=xs, W=W, w_scale=ws, s=s, B=B, token_adapter=ad, bias=b, residual=res), A
+
+
+def packed(lengths: list[int], device) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return cu.to(device)
+
+
+def up64(d: dict) -> dict:
+    """The same call with every float input in fp64 (fp8 values are exact in fp64)."""
+    return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in d.items()}

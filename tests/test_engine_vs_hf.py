@@ -1,0 +1,98 @@
+"""The reference engine against transformers + PEFT: every architecture, tied/untied, sharded, mixed adapters."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fixtures import SPECS, hf_scores, make_model, make_policy
+from policyscan.engine.batch import pack
+from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.loader import attach_policies, load_decoder
+from policyscan.engine.policy import load_policy
+from policyscan.engine.quant import quantize_checkpoint
+from policyscan.kernels import reference
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+LABELS = [(3, 7), (11, 5), (20, 21)]
+LENGTHS = [1, 5, 17, 3, 12, 9, 2, 30, 1]
+ADAPTERS = [0, 1, 2, 0, 1, 2, 1, 2, 2]
+CASES = [("llama", False, None), ("llama", True, "60KB"), ("mistral", False, None), ("qwen2", True, None),
+         ("qwen3", False, "60KB")]
+
+
+def build(tmp_path, arch, tie, shard):
+    model = make_model(tmp_path / "model", arch, tie=tie, shard=shard)
+    dirs = []
+    for i, spec in enumerate(SPECS):
+        make_policy(model, tmp_path / f"pol{i}", f"pol{i}", spec, seed=10 + i)
+        dirs.append(tmp_path / f"pol{i}")
+    g = torch.Generator().manual_seed(hash((arch, tie)) % 1000)
+    seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in LENGTHS]
+    return dirs, seqs
+
+
+def engine_f(model_dir, dirs, seqs, dtype=torch.float32, fp8=False):
+    dec = load_decoder(Checkpoint.open(model_dir), reference, dtype=dtype, fp8=fp8)
+    attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
+    return dec.forward(pack(seqs, ADAPTERS)).double()
+
+
+@pytest.mark.parametrize("arch,tie,shard", CASES)
+def test_fp32_matches_hf(tmp_path, arch, tie, shard):
+    dirs, seqs = build(tmp_path, arch, tie, shard)
+    if shard:
+        assert (tmp_path / "model" / "model.safetensors.index.json").is_file()
+    ours = engine_f(tmp_path / "model", dirs, seqs)
+    ref = hf_scores(tmp_path / "model", dirs, seqs, ADAPTERS, LABELS, torch.float32)
+    err = (ours - ref).abs().max().item()
+    print(f"{arch} tie={tie} shard={shard}: max |f - f_hf| = {err:.2e} (|f| ~ {ref.abs().mean():.3f})")
+    assert err <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_no_worse_than_hf_bf16(tmp_path, arch):
+    dirs, seqs = build(tmp_path, arch, False, None)
+    exact = hf_scores(tmp_path / "model", dirs, seqs, ADAPTERS, LABELS, torch.float64)
+    hf16 = hf_scores(tmp_path / "model", dirs, seqs, ADAPTERS, LABELS, torch.bfloat16)
+    ours = engine_f(tmp_path / "model", dirs, seqs, torch.bfloat16)
+    ours_err, hf_err = (ours - exact).abs().max().item(), (hf16 - exact).abs().max().item()
+    print(f"{arch} bf16: ours {ours_err:.3e}, HF {hf_err:.3e} against fp64")
+    assert ours_err <= 2 * hf_err
+
+
+def test_fp8_checkpoint_matches_hf_on_dequantized_weights(tmp_path):
+    """quantize -> load gives HF's f on the dequantized weights (fp32 compute), and FP8 moves p only a little."""
+    from safetensors.torch import load_file, save_file
+
+    dirs, seqs = build(tmp_path, "llama", False, None)
+    fp8_dir = quantize_checkpoint(tmp_path / "model", tmp_path / "fp8")
+    ck = Checkpoint.open(fp8_dir)
+    assert ck.fp8 and ck.get("model.layers.0.self_attn.q_proj.weight").dtype == torch.float8_e4m3fn
+    # HF can't run compressed-tensors here: give it the dequantized weights in a plain checkpoint.
+    deq_dir = tmp_path / "deq"
+    deq_dir.mkdir()
+    tensors = load_file(fp8_dir / "model.safetensors")
+    plain = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale"):
+            continue
+        scale = tensors.get(name[: -len(".weight")] + ".weight_scale") if name.endswith(".weight") else None
+        plain[name] = t.float() * scale.float() if scale is not None else t
+    save_file(plain, deq_dir / "model.safetensors")
+    (deq_dir / "config.json").write_text((tmp_path / "model" / "config.json").read_text())
+    ours = engine_f(fp8_dir, dirs, seqs)
+    ref = hf_scores(deq_dir, dirs, seqs, ADAPTERS, LABELS, torch.float32)
+    assert (ours - ref).abs().max().item() <= 1e-4
+    full = engine_f(tmp_path / "model", dirs, seqs)
+    dp = (torch.sigmoid(ours) - torch.sigmoid(full)).abs()
+    print(f"FP8 vs fp32 weights: max |dp| = {dp.max():.4f}, mean {dp.mean():.4f}")
+    assert dp.max() < 0.05
+
+
+def test_fp8_weights_requested_on_plain_checkpoint(tmp_path):
+    dirs, seqs = build(tmp_path, "qwen2", False, None)
+    a = engine_f(tmp_path / "model", dirs, seqs, fp8=True)
+    b = engine_f(quantize_checkpoint(tmp_path / "model", tmp_path / "fp8"), dirs, seqs)
+    assert torch.equal(a, b)

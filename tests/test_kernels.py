@@ -1,0 +1,105 @@
+"""Each Triton kernel against its torch twin and an fp64 reference.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (set in conftest) in fp32, plus FP8 operands where the
+interpreter is right (fp8 tl.dot); bf16 and the FP8 quantizer are checked on the GPU (-m gpu)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import adapters_for, check, gemm_case, lora_stack, packed, up64
+from policyscan.kernels import reference
+
+triton = pytest.importorskip("triton")
+from policyscan.kernels.attention import varlen_attention  # noqa: E402
+from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
+from policyscan.kernels.prologue import prologue  # noqa: E402
+
+CPU = pytest.param("cpu", id="interp")
+GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
+GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75, 72, 96, 64, 128)]
+GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5), (513, 3072, 8192, 1, 64)]
+
+
+def gen(seed=None) -> torch.Generator:
+    return torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+
+
+def variants(device):
+    if device == "cpu":
+        return [(torch.float32, False), (torch.float32, True)]
+    return [(torch.bfloat16, False), (torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("residual,bias", [(False, False), (True, False), (False, True)])
+def test_lora_gemm(device, residual, bias):
+    g = gen()
+    for M, N, K, r, n_ad in (GEMM_SHAPES if device == "cpu" else GPU_GEMM_SHAPES):
+        for dtype, fp8 in variants(device):
+            case, _ = gemm_case(M, N, K, r, n_ad, dtype, fp8, residual, bias, g, device)
+            out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+            lora_gemm(**case, out_dtype=dtype, out=out)
+            same = reference.lora_gemm(**case, out_dtype=dtype)
+            ref64 = reference.lora_gemm(**up64(case), out_dtype=torch.float64)
+            check(out, same, ref64, f"lora_gemm M={M} N={N} K={K} r={r} n={n_ad} {dtype} fp8={fp8}")
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_lora_gemm_without_lora_and_all_rows_without_adapter(device):
+    g = gen()
+    dtype = variants(device)[0][0]
+    case, _ = gemm_case(40, 48, 64, 4, 3, dtype, False, True, False, g, device)
+    same = reference.lora_gemm(**{**case, "s": None, "B": None}, out_dtype=dtype)
+    out = lora_gemm(**{**case, "s": None, "B": None}, out_dtype=dtype)
+    check(out, same, reference.lora_gemm(**up64({**case, "s": None, "B": None}), out_dtype=torch.float64), "no lora")
+    case["token_adapter"] = torch.full_like(case["token_adapter"], -1)
+    assert torch.allclose(lora_gemm(**case, out_dtype=dtype).float(), out.float())
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("kind", ["norm", "silu", "plain"])
+def test_prologue(device, kind):
+    g = gen()
+    shapes = [(37, 70, 1, 3), (64, 96, 16, 9), (1, 33, 5, 1), (50, 48, 64, 128)] if device == "cpu" else \
+        [(300, 3072, 16, 8), (1000, 8192, 48, 128), (5, 3072, 1, 1)]
+    for M, K, r, n_ad in shapes:
+        for dtype, quant in variants(device) if device == "cuda" else [(torch.float32, False)]:
+            x = (torch.randn(M, 2 * K if kind == "silu" else K, generator=g) * 2).to(dtype).to(device)
+            w = (1 + 0.3 * torch.randn(K, generator=g)).to(dtype).to(device) if kind == "norm" else None
+            ad = adapters_for(M, n_ad, g, device)
+            A, _ = lora_stack(n_ad, r, 1, K, dtype, g, device)
+            args = (x, w, 1e-5, kind == "silu", A, ad, quant)
+            nan = float("nan")
+            out = (torch.full((M, K), nan, device=device).to(torch.float8_e4m3fn if quant else dtype),
+                   torch.full((M,), nan, device=device) if quant else None, torch.full((M, r), nan, device=device))
+            h, hs, s = prologue(*args, out=out)
+            rh, rhs, rs = reference.prologue(*args)
+            e64 = reference.prologue(*up64(dict(enumerate(args))).values())
+            what = f"prologue {kind} M={M} K={K} r={r} {dtype} quant={quant}"
+            if quant:
+                check(h.double() * hs.double()[:, None], rh.double() * rhs.double()[:, None], e64[0], what + " h")
+            else:
+                check(h, rh, e64[0], what + " h")
+            check(s, rs, e64[2], what + " s")
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("last_only", [False, True])
+def test_varlen_attention(device, window, last_only):
+    g = gen()
+    if device == "cpu":
+        lengths, H, Hkv, D, dtype = [1, 7, 33, 64, 20, 3], 6, 2, 20, torch.float32
+    else:
+        lengths, H, Hkv, D, dtype = [1, 700, 257, 64, 1500, 3, 130], 24, 8, 128, torch.bfloat16
+    T = sum(lengths)
+    cu = packed(lengths, device)
+    k = torch.randn(T, Hkv, D, generator=g).to(dtype).to(device)
+    v = torch.randn(T, Hkv, D, generator=g).to(dtype).to(device)
+    q = torch.randn(len(lengths) if last_only else T, H, D, generator=g).to(dtype).to(device)
+    out = torch.full_like(q, float("nan"))
+    varlen_attention(q, k, v, cu, D ** -0.5, window, last_only, max(lengths), out=out)
+    same = reference.varlen_attention(q, k, v, cu, D ** -0.5, window, last_only)
+    ref64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu, D ** -0.5, window, last_only)
+    check(out, same, ref64, f"attention window={window} last_only={last_only} {dtype}")
