@@ -1,0 +1,189 @@
+"""Benchmarks on the GPU, HF + PEFT baseline in the same run (BENCH.md).
+
+    python bench/run.py --workloads W1,W3,W4 --baseline W1,W4 --gemm --out $OUT/bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import WORKLOADS, prompts, random_decoder, shape  # noqa: E402
+
+from policyscan.engine.batch import pack  # noqa: E402
+from policyscan.engine.batcher import plan_batches  # noqa: E402
+from policyscan.kernels import triton_ops  # noqa: E402
+
+FP8_TFLOPS = (1238.0, 1462.0)  # measured torch._scaled_mm rates on this H200 (DESIGN.md)
+
+
+def engine_pass(dec, seqs, ads, budget: int) -> np.ndarray:
+    lengths = np.array([len(s) for s in seqs])
+    ads_np = np.array(ads)
+    outs = []
+    with torch.inference_mode():
+        for plan in plan_batches(lengths, ads_np, budget):
+            b = pack([seqs[i] for i in plan.items], ads_np[plan.items].tolist())
+            outs.append((plan.items, dec.forward(b.to("cuda"))))
+        f = np.empty(len(seqs), dtype=np.float32)
+        for items, v in outs:
+            f[items] = v.float().cpu().numpy()
+    return f
+
+
+def bench_engine(name: str, budget: int, fp8: bool = True) -> dict:
+    w = WORKLOADS[name]
+    cfg = shape(w.model)
+    dec = random_decoder(cfg, w.adapters, 16, triton_ops, fp8=fp8)
+    seqs, ads = prompts(w, cfg.vocab)
+    tokens = sum(map(len, seqs))
+    engine_pass(dec, seqs[: 4 * w.adapters], ads[: 4 * w.adapters], budget)  # compile
+    engine_pass(dec, seqs, ads, budget)  # warm every batch size once
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine_pass(dec, seqs, ads, budget)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    params = cfg.layers * sum(o * i for o, i in (cfg.proj_shape(p) for p in
+                              ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
+    ceiling = tokens / (2 * params * tokens / (FP8_TFLOPS[1] * 1e12))
+    del dec
+    torch.cuda.empty_cache()
+    return {"workload": name, "tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "fp8": fp8,
+            "ceiling_tok_s": ceiling, "of_ceiling": tokens / dt / ceiling}
+
+
+def bench_hf(name: str, bs: int = 32) -> dict:
+    """HF + PEFT per-policy loop (set_adapter), length-sorted batches, left padding, logits_to_keep=1."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    w = WORKLOADS[name]
+    cfg = shape(w.model)
+    hcfg = tf.LlamaConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_hidden_layers=cfg.layers,
+                          num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, vocab_size=cfg.vocab,
+                          tie_word_embeddings=True, max_position_embeddings=131072,
+                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192},
+                          attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        torch.set_default_dtype(torch.bfloat16)
+        model = tf.LlamaForCausalLM(hcfg)
+        torch.set_default_dtype(torch.float32)
+    lcfg = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj"], init_lora_weights=False)
+    model = get_peft_model(model, lcfg, adapter_name="a0")
+    for a in range(1, w.adapters):
+        model.add_adapter(f"a{a}", lcfg)
+    model.eval()
+    seqs, ads = prompts(w, cfg.vocab)
+    tokens = sum(map(len, seqs))
+    convs = [s for s, a in zip(seqs, ads) if a == 0] if not w.prefix else None
+    by_len = sorted(range(len(convs)), key=lambda i: len(convs[i]))
+
+    def run(limit=None):
+        with torch.inference_mode():
+            for a in range(w.adapters if limit is None else 1):
+                model.set_adapter(f"a{a}")
+                for i in range(0, len(by_len) if limit is None else limit, bs):
+                    chunk = [convs[j] for j in by_len[i:i + bs]]
+                    n = max(map(len, chunk))
+                    ids = torch.zeros(len(chunk), n, dtype=torch.long)
+                    mask = torch.zeros(len(chunk), n, dtype=torch.long)
+                    for r, c in enumerate(chunk):
+                        ids[r, n - len(c):] = torch.tensor(c)
+                        mask[r, n - len(c):] = 1
+                    out = model(input_ids=ids.cuda(), attention_mask=mask.cuda(), logits_to_keep=1).logits
+                    out[:, -1, [11, 13]].float().cpu()
+
+    run(limit=bs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return {"baseline": name, "tokens": tokens, "seconds": dt, "tok_s": tokens / dt}
+
+
+def bench_gemm() -> list[dict]:
+    """Fused FP8 LoRA GEMM vs torch._scaled_mm + a separate expand-and-add kernel, and vs bare _scaled_mm."""
+    from triton.testing import do_bench
+
+    from policyscan.kernels.lora_gemm import lora_gemm
+    from policyscan.kernels.reference import quantize_rows
+
+    rows = []
+    for M, N, K in [(300, 3072, 3072), (300, 5120, 3072), (300, 16384, 3072), (300, 3072, 8192),
+                    (16384, 5120, 3072), (16384, 3072, 8192)]:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x8, xs = quantize_rows(torch.randn(M, K, device="cuda", generator=g).bfloat16())
+        w8, ws = quantize_rows(torch.randn(N, K, device="cuda", generator=g).bfloat16())
+        r, n = 16, 8
+        B = (torch.randn(n, N, r, device="cuda", generator=g) * 0.01).bfloat16()
+        s = torch.randn(M, r, device="cuda", generator=g)
+        ad = torch.sort(torch.randint(0, n, (M,), device="cuda", generator=g).int()).values
+        res = torch.randn(M, N, device="cuda", generator=g).bfloat16()
+        wt = w8.t()
+        z8, zs = torch.zeros(M, 16, device="cuda").to(torch.float8_e4m3fn), torch.ones(M, device="cuda")
+        zw, zws = torch.zeros(N, 16, device="cuda").to(torch.float8_e4m3fn), torch.ones(N, device="cuda")
+
+        def fused():
+            return lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16)
+
+        def scaled():
+            return torch._scaled_mm(x8, wt, scale_a=xs[:, None], scale_b=ws[None, :], out_dtype=torch.bfloat16)
+
+        def separate():  # GEMM (+ residual) then a second kernel that re-reads y to add the expand
+            y = torch._scaled_mm(x8, wt, scale_a=xs[:, None], scale_b=ws[None, :], out_dtype=torch.bfloat16) + res
+            return lora_gemm(z8, zs, zw, zws, s, B, ad, None, y, torch.bfloat16)
+
+        t = {k: do_bench(f, warmup=25, rep=100, return_mode="median") for k, f in
+             (("fused", fused), ("scaled_mm", scaled), ("separate", separate))}
+        tflops = 2 * M * N * K / (t["fused"] * 1e-3) / 1e12
+        rows.append({"M": M, "N": N, "K": K, **{k + "_ms": v for k, v in t.items()}, "fused_tflops": tflops,
+                     "speedup_vs_separate": t["separate"] / t["fused"], "fused_over_scaled": t["fused"] / t["scaled_mm"]})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workloads", default="W1,W3,W4")
+    ap.add_argument("--baseline", default="W1,W4")
+    ap.add_argument("--gemm", action="store_true")
+    ap.add_argument("--budget", type=int, default=16384)
+    ap.add_argument("--bf16", action="store_true", help="also run W1 with bf16 weights")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.gemm:
+        res["gemm"] = bench_gemm()
+    res["engine"] = [bench_engine(w, args.budget) for w in filter(None, args.workloads.split(","))]
+    if args.bf16:
+        res["engine"].append(bench_engine("W1", args.budget, fp8=False))
+    res["baseline"] = [bench_hf(w) for w in filter(None, args.baseline.split(","))]
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    for row in res.get("gemm", []):
+        print(f"gemm M={row['M']:>5} N={row['N']:>5} K={row['K']:>5}: fused {row['fused_ms']:.3f} ms "
+              f"({row['fused_tflops']:.0f} TF/s), scaled_mm {row['scaled_mm_ms']:.3f}, separate {row['separate_ms']:.3f}"
+              f" -> {row['speedup_vs_separate']:.2f}x vs separate, {row['fused_over_scaled']:.2f}x of bare")
+    base = {b["baseline"]: b for b in res["baseline"]}
+    for e in res["engine"]:
+        b = base.get(e["workload"])
+        ratio = f", {e['tok_s'] / b['tok_s']:.2f}x HF ({b['tok_s']:,.0f} tok/s, {b['seconds']:.1f} s)" if b else ""
+        print(f"{e['workload']}{'' if e['fp8'] else ' bf16'}: {e['tokens']:,} tokens in {e['seconds']:.2f} s = "
+              f"{e['tok_s']:,.0f} tok/s ({e['of_ceiling']:.0%} of FP8 ceiling){ratio}")
+
+
+if __name__ == "__main__":
+    main()

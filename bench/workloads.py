@@ -1,0 +1,102 @@
+"""BENCH.md workloads: random-weight decoders of the W1/W4 shapes and seeded prompt lengths.
+
+Random weights are fine for speed (values don't change FLOPs); everything is seeded."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from policyscan.engine.config import ModelConfig, RopeConfig
+from policyscan.engine.layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
+from policyscan.engine.loader import GROUPS
+from policyscan.engine.model import Decoder, DecoderLayer
+from policyscan.engine.quant import quantize_weight
+
+LLAMA3_ROPE = RopeConfig(theta=500000.0, kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                         original_max_position=8192)
+
+
+def shape(name: str) -> ModelConfig:
+    if name == "3b":
+        return ModelConfig("llama", 3072, 8192, 28, 24, 8, 128, 128256, 1e-5, LLAMA3_ROPE, True)
+    if name == "1b":
+        return ModelConfig("llama", 2048, 8192, 16, 32, 8, 64, 128256, 1e-5, LLAMA3_ROPE, True)
+    raise ValueError(name)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str
+    adapters: int
+    conversations: int
+    prefix: int = 0
+
+
+WORKLOADS = {"W1": Workload("W1", "3b", 8, 256), "W2": Workload("W2", "3b", 8, 256, 256),
+             "W3": Workload("W3", "3b", 64, 64), "W4": Workload("W4", "1b", 8, 256)}
+
+
+def lengths(n: int, seed: int = 0) -> np.ndarray:
+    """Lognormal conversation lengths: median 250, sigma 0.8, clipped to 16..2048 (mean about 364)."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(250), 0.8, n)), 16, 2048).astype(np.int64)
+
+
+def prompts(w: Workload, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Every conversation under every adapter: (token ids, adapter index) pairs."""
+    rng = np.random.default_rng(seed + 1)
+    convs = [rng.integers(0, vocab, int(n)).tolist() for n in lengths(w.conversations, seed)]
+    prefixes = [rng.integers(0, vocab, w.prefix).tolist() for _ in range(w.adapters)]
+    seqs, ads = [], []
+    for c in convs:
+        for a in range(w.adapters):
+            seqs.append(prefixes[a] + c)
+            ads.append(a)
+    return seqs, ads
+
+
+def random_decoder(cfg: ModelConfig, n_adapters: int, rank: int, ops, device="cuda", fp8: bool = True,
+                   seed: int = 0) -> Decoder:
+    """A decoder with random weights (FP8 W8A8 or bf16) and n random rank-r adapters on all seven projections."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = torch.bfloat16
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, generator=g, device=device, dtype=torch.float32) * scale).to(dt)
+
+    def linear(out: int, k: int, prologue: Prologue) -> DenseLoraLinear:
+        w = rnd(out, k, scale=k ** -0.5)
+        if fp8:
+            w8, sc = quantize_weight(w)
+            return Fp8LoraLinear(w8, sc, None, prologue, ops)
+        return DenseLoraLinear(w, None, prologue, ops)
+
+    def stack(projs) -> LoraStack:
+        k = cfg.proj_shape(projs[0])[1]
+        outs = [cfg.proj_shape(p)[0] for p in projs]
+        R = rank * len(projs)
+        B = torch.zeros(n_adapters, sum(outs), R, device=device, dtype=dt)
+        o0 = 0
+        for i, o in enumerate(outs):  # block-diagonal, as attach_policies lays fused projections out
+            B[:, o0:o0 + o, i * rank:(i + 1) * rank] = rnd(n_adapters, o, rank, scale=0.01)
+            o0 += o
+        return LoraStack(rnd(n_adapters, R, k, scale=k ** -0.5), B)
+
+    ones = torch.ones(cfg.hidden, device=device, dtype=dt)
+    layers = []
+    for _ in range(cfg.layers):
+        layer = DecoderLayer(
+            qkv=linear(cfg.q_size + 2 * cfg.kv_size, cfg.hidden, Prologue(ones, cfg.rms_eps)),
+            o=linear(cfg.hidden, cfg.q_size, Prologue()),
+            gate_up=linear(2 * cfg.intermediate, cfg.hidden, Prologue(ones, cfg.rms_eps)),
+            down=linear(cfg.hidden, cfg.intermediate, Prologue(silu_mul=True)))
+        for group, projs in GROUPS.items():
+            getattr(layer, group).lora = stack(projs)
+        layers.append(layer)
+    embed = rnd(cfg.vocab, cfg.hidden, scale=0.02)
+    dec = Decoder(cfg, embed, layers, ones, ops, lambda ids: embed[ids].float())
+    dec.head = torch.randn(n_adapters, cfg.hidden, generator=g, device=device) * 0.02
+    return dec

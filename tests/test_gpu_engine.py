@@ -1,0 +1,54 @@
+"""The GPU engine (Triton kernels, bf16 and FP8 W8A8) against the CPU reference and transformers + PEFT."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fixtures import SPECS, hf_scores, make_model, make_policy
+from policyscan.engine.batch import pack
+from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.loader import attach_policies, load_decoder
+from policyscan.engine.policy import load_policy
+
+pytestmark = pytest.mark.gpu
+LABELS = [(3, 7), (11, 5), (20, 21)]
+
+
+def decoder(model_dir, dirs, ops, device, dtype, fp8=False, w8a8=False):
+    dec = load_decoder(Checkpoint.open(model_dir), ops, device, dtype, fp8=fp8, w8a8=w8a8)
+    attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
+    return dec
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_gpu_engine_matches_reference_and_hf(tmp_path, arch):
+    from policyscan.kernels import reference, triton_ops
+
+    model = make_model(tmp_path / "model", arch)
+    dirs = []
+    for i, spec in enumerate(SPECS):
+        make_policy(model, tmp_path / f"p{i}", f"p{i}", spec, seed=i)
+        dirs.append(tmp_path / f"p{i}")
+    g = torch.Generator().manual_seed(7)
+    lengths = [1, 5, 17, 3, 40, 9, 2, 70, 33]
+    seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in lengths]
+    ads = sorted([i % 3 for i in range(len(seqs))])
+    batch = pack(seqs, ads)
+    exact = hf_scores(tmp_path / "model", dirs, seqs, ads, LABELS, torch.float64)
+    hf16 = hf_scores(tmp_path / "model", dirs, seqs, ads, LABELS, torch.bfloat16)
+    cpu = decoder(tmp_path / "model", dirs, reference, "cpu", torch.float32).forward(batch).double()
+    bf16 = decoder(tmp_path / "model", dirs, triton_ops, "cuda", torch.bfloat16).forward(batch.to("cuda")).double().cpu()
+    fp8 = decoder(tmp_path / "model", dirs, triton_ops, "cuda", torch.bfloat16, True, True).forward(
+        batch.to("cuda")).double().cpu()
+    cpu_fp8 = decoder(tmp_path / "model", dirs, reference, "cpu", torch.float32, fp8=True).forward(batch).double()
+    p = torch.sigmoid
+    rows = {"cpu fp32 vs HF fp64": (cpu, exact), "gpu bf16 vs HF fp64": (bf16, exact),
+            "HF bf16 vs HF fp64": (hf16, exact), "gpu fp8 vs HF fp64": (fp8, exact),
+            "gpu fp8 vs cpu fp8-weights": (fp8, cpu_fp8)}
+    for name, (a, b) in rows.items():
+        d = (p(a) - p(b)).abs()
+        print(f"{arch} {name}: max |dp| {d.max():.2e}, mean {d.mean():.2e}")
+    assert (cpu - exact).abs().max() <= 1e-4
+    assert (bf16 - exact).abs().max() <= 2 * (hf16 - exact).abs().max()
+    # FP8 activations add their own rounding; same budget as bf16 against the FP8-weight reference
+    assert (fp8 - cpu_fp8).abs().max() <= 4 * (hf16 - exact).abs().max()
