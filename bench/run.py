@@ -59,6 +59,23 @@ def bench_engine(name: str, budget: int, fp8: bool = True) -> dict:
             "ceiling_tok_s": ceiling, "of_ceiling": tokens / dt / ceiling}
 
 
+def profile_engine(name: str, budget: int) -> str:
+    """Per-kernel GPU time over one pass of the workload: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    w = WORKLOADS[name]
+    cfg = shape(w.model)
+    dec = random_decoder(cfg, w.adapters, 16, triton_ops)
+    seqs, ads = prompts(w, cfg.vocab)
+    engine_pass(dec, seqs, ads, budget)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine_pass(dec, seqs, ads, budget)
+        torch.cuda.synchronize()
+    del dec
+    torch.cuda.empty_cache()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+
+
 def bench_hf(name: str, bs: int = 32) -> dict:
     """HF + PEFT per-policy loop (set_adapter), length-sorted batches, left padding, logits_to_keep=1."""
     import transformers as tf
@@ -163,8 +180,11 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=16384)
     ap.add_argument("--bf16", action="store_true", help="also run W1 with bf16 weights")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="print per-kernel times for this workload")
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.profile:
+        print(profile_engine(args.profile, args.budget))
     if args.gemm:
         res["gemm"] = bench_gemm()
     res["engine"] = [bench_engine(w, args.budget) for w in filter(None, args.workloads.split(","))]

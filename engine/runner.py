@@ -97,11 +97,14 @@ class Engine:
 
     def _run(self, lengths: np.ndarray, adapters: np.ndarray, prompt) -> np.ndarray:
         f = np.empty(len(lengths), dtype=np.float32)
+        pending = []
         with torch.inference_mode():
             for plan in plan_batches(lengths, adapters, self.settings.batch_tokens):
-                items = plan.items.tolist()
-                batch = pack([prompt(i, adapters[i]) for i in items], adapters[plan.items].tolist())
-                f[plan.items] = self.decoder.forward(batch.to(self.device)).cpu().numpy()
+                batch = pack([prompt(i, adapters[i]) for i in plan.items.tolist()], adapters[plan.items].tolist())
+                # no copy back per batch: the host packs the next batch while the GPU runs this one
+                pending.append((plan.items, self.decoder.forward(batch.to(self.device))))
+            for items, out in pending:
+                f[items] = out.cpu().numpy()
         return f
 
     def describe(self) -> dict:

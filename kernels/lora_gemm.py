@@ -5,8 +5,8 @@ Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype)
 
 Why fused: the expand reads s [M, R] and one [BN, R] slice of B per tile; doing it in the epilogue saves
 a full read-modify-write of y [M, N] that a separate expand kernel costs.
-Batch invariance: tile sizes depend only on (N, K) and the dtype, never on M, and K is reduced in one
-fixed order, so a row's result does not depend on what else is in the batch.
+Batch invariance: no split-K, and BK depends only on the dtype, so K is reduced in one fixed order and
+a row's result does not depend on what else is in the batch.
 """
 from __future__ import annotations
 
@@ -73,14 +73,21 @@ def _lora_gemm_kernel(
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict:
-    """Tile shape per (N, K, dtype) only. 128x256x128, 8 warps, 3 stages matched torch._scaled_mm at the
-    W1 shapes on the H200 (DESIGN.md); small N gets narrower tiles so the grid still fills 132 SMs."""
+def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict:
+    """Tile shape. BK is fixed per dtype: it sets the order of the K reduction, so a row's result is the
+    same whatever the batch (checked bitwise by test_lora_gemm_rows_do_not_depend_on_batch). BM/BN only
+    choose which rows and columns share a program: 128x256x128, 8 warps, 3 stages matched
+    torch._scaled_mm at the W1 shapes (DESIGN.md); at a few hundred rows it left most of the 132 SMs idle
+    (36 tiles at M=300, N=3072: 2.9x bare _scaled_mm), so small M gets 64x128 tiles."""
     if interpret:
         return dict(BM=16, BN=32, BK=32, GROUP_M=4, num_warps=4, num_stages=1)
     if dtype == torch.float8_e4m3fn:
+        if M <= 2048:
+            return dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=4)
         bn = 256 if N >= 4096 else 128
         return dict(BM=128, BN=bn, BK=128, GROUP_M=8, num_warps=8, num_stages=3 if bn == 256 else 4)
+    if M <= 2048:
+        return dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4)
     return dict(BM=128, BN=128 if N >= 2048 else 64, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
@@ -114,7 +121,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:
         return y
-    cfg = _config(N, K, x.dtype, x.device.type == "cpu")
+    cfg = _config(M, N, K, x.dtype, x.device.type == "cpu")
     grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
     dummy = y
     _lora_gemm_kernel[grid](

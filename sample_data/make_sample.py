@@ -150,6 +150,7 @@ def train_policy(model, tok, name: str, data: list[dict], out: Path, steps: int 
                 break
     out.mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(out)
+    (out / "README.md").unlink(missing_ok=True)  # PEFT's model-card stub
     peft_model.unload()
     (out / "policy.json").write_text(json.dumps({
         "name": name, "description": desc, "labels": {"compliant": LABELS[0], "violation": LABELS[1]},

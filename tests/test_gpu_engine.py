@@ -41,14 +41,17 @@ def test_gpu_engine_matches_reference_and_hf(tmp_path, arch):
     fp8 = decoder(tmp_path / "model", dirs, triton_ops, "cuda", torch.bfloat16, True, True).forward(
         batch.to("cuda")).double().cpu()
     cpu_fp8 = decoder(tmp_path / "model", dirs, reference, "cpu", torch.float32, fp8=True).forward(batch).double()
+    # the W8A8 twin: the same quantization of weights and activations, torch ops on the CPU, bf16
+    twin = decoder(tmp_path / "model", dirs, reference, "cpu", torch.bfloat16, True, True).forward(batch).double()
     p = torch.sigmoid
     rows = {"cpu fp32 vs HF fp64": (cpu, exact), "gpu bf16 vs HF fp64": (bf16, exact),
             "HF bf16 vs HF fp64": (hf16, exact), "gpu fp8 vs HF fp64": (fp8, exact),
-            "gpu fp8 vs cpu fp8-weights": (fp8, cpu_fp8)}
+            "gpu fp8 vs cpu fp8-weights": (fp8, cpu_fp8), "cpu W8A8 twin vs HF fp64": (twin, exact)}
     for name, (a, b) in rows.items():
         d = (p(a) - p(b)).abs()
         print(f"{arch} {name}: max |dp| {d.max():.2e}, mean {d.mean():.2e}")
     assert (cpu - exact).abs().max() <= 1e-4
     assert (bf16 - exact).abs().max() <= 2 * (hf16 - exact).abs().max()
-    # FP8 activations add their own rounding; same budget as bf16 against the FP8-weight reference
-    assert (fp8 - cpu_fp8).abs().max() <= 4 * (hf16 - exact).abs().max()
+    # FP8 activations add their own rounding: the GPU may be off by what its same-precision twin is off
+    twin_err = (twin - exact).abs().max()
+    assert (fp8 - exact).abs().max() <= 2 * twin_err + (hf16 - exact).abs().max()

@@ -103,3 +103,16 @@ def test_varlen_attention(device, window, last_only):
     same = reference.varlen_attention(q, k, v, cu, D ** -0.5, window, last_only)
     ref64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu, D ** -0.5, window, last_only)
     check(out, same, ref64, f"attention window={window} last_only={last_only} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_lora_gemm_rows_do_not_depend_on_batch(fp8):
+    """Batch invariance: rows computed inside a large batch (other tile shape) equal the same rows alone."""
+    g = gen()
+    case, _ = gemm_case(8192, 3072, 3072, 16, 8, torch.bfloat16, fp8, True, False, g, "cuda")
+    full = lora_gemm(**case, out_dtype=torch.bfloat16)
+    for lo, hi in [(0, 1), (100, 400), (5000, 5013)]:
+        part = {k: (v[lo:hi] if k in ("x", "x_scale", "s", "token_adapter", "residual") and v is not None else v)
+                for k, v in case.items()}
+        assert torch.equal(lora_gemm(**part, out_dtype=torch.bfloat16), full[lo:hi]), (lo, hi)
