@@ -1,9 +1,11 @@
-"""Causal attention over packed variable-length sequences (flash-attention style, online softmax).
+"""Causal attention over packed variable-length sequences, reading the fused qkv projection directly.
 
-Semantics: for each sequence b and head h, softmax(q k^T * scale + causal [+ window] mask) v with kv head
-h // (H // Hkv), fp32 inside, rounded to q's dtype — reference.varlen_attention. With last_only, q holds
-one row per sequence (its last token), as the last layer needs.
+Semantics: reference.varlen_attention — per-head RMSNorm of q and k (Qwen3), rotary embedding at each
+token's position in its sequence, then causal softmax(q k^T * scale) v per sequence (GQA, optional sliding
+window), fp32 inside, rounded to qkv's dtype. With last_only only each sequence's last token queries.
 
+Why norm and rope live here: done as torch ops they cost about ten elementwise kernels per layer, 1.3 s of
+W1's 6.3 s GPU time (profile, bench/NOTES.md); here they are a few multiplies on tiles already loaded.
 Batch invariance: one program owns one (query block, sequence, head) and walks that sequence's keys in a
 fixed order, so nothing outside the sequence changes its result.
 """
@@ -13,34 +15,59 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import AttnShape
+
+
+@triton.jit
+def _load_rot(ptr, rows, pos, ok, stride_t, col0, cos_ptr, sin_ptr, nw_ptr, eps,
+              HALF: tl.constexpr, BH: tl.constexpr, NORM: tl.constexpr):
+    """Rows of one head as two halves [R, BH], per-head RMSNorm'd and rotated, rounded to the input dtype."""
+    rh = tl.arange(0, BH)
+    h_ok = rh < HALF
+    m = ok[:, None] & h_ok[None, :]
+    base = ptr + rows[:, None] * stride_t + col0 + rh[None, :]
+    x1 = tl.load(base, mask=m, other=0.0)
+    x2 = tl.load(base + HALF, mask=m, other=0.0)
+    dt = x1.dtype
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(nw_ptr + rh, mask=h_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(nw_ptr + HALF + rh, mask=h_ok, other=0.0).to(tl.float32)
+        a = (a * rstd[:, None] * w1[None, :]).to(dt).to(tl.float32)
+        b = (b * rstd[:, None] * w2[None, :]).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + pos[:, None] * HALF + rh[None, :], mask=m, other=0.0)
+    s = tl.load(sin_ptr + pos[:, None] * HALF + rh[None, :], mask=m, other=0.0)
+    return (a * c - b * s).to(dt), (b * c + a * s).to(dt)
+
 
 @triton.jit
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr,
-    scale, window, H, KV_GROUP, D,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    LAST_ONLY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    qkv_ptr, o_ptr, cu_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+    scale, eps, window, KV_GROUP,
+    stride_t, stride_ot, K_COL, V_COL,
+    HALF: tl.constexpr, LAST_ONLY: tl.constexpr, NORM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, PREC: tl.constexpr,
 ):
     mblk, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_ptr + b)
     n_keys = tl.load(cu_ptr + b + 1) - start
-    if LAST_ONLY:
-        q_start, n_q = b, 1
-    else:
-        q_start, n_q = start, n_keys
+    n_q = 1 if LAST_ONLY else n_keys
     if mblk * BM >= n_q:
         return
     kvh = h // KV_GROUP
+    D = 2 * HALF
     rm = mblk * BM + tl.arange(0, BM)
-    qpos = n_keys - n_q + rm  # position of each query inside its sequence
-    rd = tl.arange(0, BD)
     m_ok = rm < n_q
-    d_ok = rd < D
-    q = tl.load(q_ptr + (q_start + rm)[:, None] * stride_qt + h * stride_qh + rd[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    qpos = n_keys - n_q + rm  # position of each query inside its sequence
+    q1, q2 = _load_rot(qkv_ptr, start + qpos, qpos, m_ok, stride_t, h * D, cos_ptr, sin_ptr, qn_ptr, eps,
+                       HALF, BH, NORM)
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
-    acc = tl.zeros((BM, BD), dtype=tl.float32)
+    rh = tl.arange(0, BH)
+    h_ok = rh < HALF
+    acc1 = tl.zeros((BM, BH), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BH), dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
     hi = tl.minimum(n_keys, n_keys - n_q + (mblk + 1) * BM)
     lo = 0
@@ -49,9 +76,10 @@ def _attn_kernel(
     for n0 in range(lo, hi, BN):
         rn = n0 + tl.arange(0, BN)
         n_ok = rn < n_keys
-        kt = tl.load(k_ptr + (start + rn)[:, None] * stride_kt + kvh * stride_kh + rd[None, :],
-                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale
+        k1, k2 = _load_rot(qkv_ptr, start + rn, rn, n_ok, stride_t, K_COL + kvh * D, cos_ptr, sin_ptr, kn_ptr,
+                           eps, HALF, BH, NORM)
+        s = tl.dot(q1, tl.trans(k1), input_precision=PREC)
+        s = tl.dot(q2, tl.trans(k2), s, input_precision=PREC) * qk_scale
         ok = (rn[None, :] <= qpos[:, None]) & n_ok[None, :]
         if window > 0:
             ok = ok & (rn[None, :] > qpos[:, None] - window)
@@ -61,44 +89,58 @@ def _attn_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_ptr + (start + rn)[:, None] * stride_vt + kvh * stride_vh + rd[None, :],
-                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
+        vb = qkv_ptr + (start + rn)[:, None] * stride_t + V_COL + kvh * D + rh[None, :]
+        vm = n_ok[:, None] & h_ok[None, :]
+        v1 = tl.load(vb, mask=vm, other=0.0)
+        v2 = tl.load(vb + HALF, mask=vm, other=0.0)
+        pv = p.to(v1.dtype)
+        acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1, input_precision=PREC)
+        acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2, input_precision=PREC)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + (q_start + rm)[:, None] * stride_ot + h * stride_oh + rd[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+    orow = b + rm if LAST_ONLY else start + rm  # last_only: row b holds sequence b (rm > 0 is masked)
+    ob = o_ptr + orow[:, None] * stride_ot + h * D + rh[None, :]
+    om = m_ok[:, None] & h_ok[None, :]
+    tl.store(ob, (acc1 * inv[:, None]).to(o_ptr.dtype.element_ty), mask=om)
+    tl.store(ob + HALF, (acc2 * inv[:, None]).to(o_ptr.dtype.element_ty), mask=om)
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float, window: int | None = None, last_only: bool = False,
-                     max_seqlen: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launcher; same semantics as reference.varlen_attention. q [Tq, H, D], k/v [T, Hkv, D]; `out` (like q)
-    is written in place when given."""
-    Tq, H, D = q.shape
-    T, Hkv, Dk = k.shape
-    if Dk != D or v.shape != k.shape or H % Hkv or q.dtype != k.dtype or k.dtype != v.dtype:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("q, k, v need a contiguous head dimension")
+def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     shape: AttnShape, scale: float, window: int | None = None,
+                     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                     last_only: bool = False, max_seqlen: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; cos/sin fp32 [P, D/2]
+    covering every position; `out` [Tq, H D] is written in place when given."""
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    T = qkv.shape[0]
+    if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D or qkv.stride(1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {H}+2x{Hkv} heads of {D} contiguously")
+    if cos.shape != sin.shape or cos.shape[1] != D // 2 or not cos.is_contiguous() or cos.dtype != torch.float32:
+        raise ValueError(f"cos/sin must be contiguous fp32 [positions, {D // 2}], got {tuple(cos.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
     B = cu_seqlens.numel() - 1
-    if cu_seqlens.dtype != torch.int32 or (last_only and Tq != B):
-        raise ValueError("cu_seqlens must be int32 [B+1]; with last_only, q has one row per sequence")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError("cu_seqlens must be int32 [B+1]")
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if B else 0
+    if max_seqlen > cos.shape[0]:
+        raise ValueError(f"rotary table covers {cos.shape[0]} positions, sequences reach {max_seqlen}")
+    rows = B if last_only else T
     if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
-        raise ValueError("out must be shaped and typed like q")
+        out = torch.empty((rows, H * D), dtype=qkv.dtype, device=qkv.device)
+    elif out.shape != (rows, H * D) or out.dtype != qkv.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{rows}, {H * D}] {qkv.dtype}")
     if B == 0:
         return out
-    if max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    interpret = q.device.type == "cpu"
+    interpret = qkv.device.type == "cpu"
     BM, BN = (16, 16) if interpret else (64, 64)
-    n_q = 1 if last_only else max_seqlen
-    grid = (triton.cdiv(n_q, BM), B, H)
+    grid = (triton.cdiv(1 if last_only else max_seqlen, BM), B, H)
     _attn_kernel[grid](
-        q, k, v, out, cu_seqlens, scale, window or 0, H, H // Hkv, D,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        LAST_ONLY=last_only, BM=BM, BN=BN, BD=max(16, triton.next_power_of_2(D)),
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2 if not interpret else 1)
+        qkv, out, cu_seqlens, cos, sin, q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos,
+        scale, eps, window or 0, H // Hkv, qkv.stride(0), out.stride(0), H * D, (H + Hkv) * D,
+        HALF=D // 2, LAST_ONLY=last_only, NORM=q_norm is not None, BM=BM, BN=BN,
+        BH=max(16, triton.next_power_of_2(D // 2)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=1 if interpret else 2)
     return out

@@ -9,6 +9,8 @@ Conventions shared with the kernels:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -87,31 +89,69 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     return acc.to(out_dtype)
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float, window: int | None = None, last_only: bool = False,
-                     max_seqlen: int | None = None) -> torch.Tensor:
-    """Semantics: causal softmax(q k^T * scale) v within each packed sequence (GQA: heads share kv heads),
-    fp32 inside, rounded to q.dtype. q [Tq, H, D], k/v [T, Hkv, D]; with last_only, q holds only each
-    sequence's last token (Tq = number of sequences). `window` limits each query to its last `window` keys.
-    max_seqlen is a hint the Triton twin uses for its grid."""
-    H, Hkv = q.shape[1], k.shape[1]
+@dataclass(frozen=True)
+class AttnShape:
+    """How q, k, v sit in one row of the fused qkv projection: [q heads | k heads | v heads] x head_dim."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.heads % self.kv_heads or self.head_dim % 2:
+            raise ValueError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads}; "
+                             f"head_dim {self.head_dim} must be even (rotary halves)")
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding (HF layout) in fp32, rounded to x.dtype; x [T, heads, D], cos/sin [T, D/2]."""
+    xf = x.to(_acc(x))
+    x1, x2 = xf.chunk(2, dim=-1)
+    c, s = cos[:, None, :].to(xf.dtype), sin[:, None, :].to(xf.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     shape: AttnShape, scale: float, window: int | None = None,
+                     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                     last_only: bool = False, max_seqlen: int | None = None) -> torch.Tensor:
+    """Semantics: q, k, v = split(qkv); q, k = rmsnorm per head (if q_norm/k_norm), then rotary embedding at
+    each token's position inside its sequence (cos/sin tables [P, D/2]); then causal softmax(q k^T * scale) v
+    within each packed sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded to qkv.dtype.
+    Returns [Tq, H * D]; with last_only, only each sequence's last token queries (Tq = sequences).
+    `window` limits each query to its last `window` keys. max_seqlen is a hint the Triton twin uses."""
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    T = qkv.shape[0]
+    q = qkv[:, :H * D].reshape(T, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
+    if q_norm is not None:
+        q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
     bounds = cu_seqlens.tolist()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lens = torch.tensor([e - s for s, e in zip(bounds[:-1], bounds[1:])], device=qkv.device)
+    pos = torch.arange(T, device=qkv.device) - torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
+    k = rope(k, cos[pos], sin[pos])
+    if last_only:
+        last = cu_seqlens[1:].long() - 1
+        q = rope(q[last], cos[pos[last]], sin[pos[last]])
+    else:
+        q = rope(q, cos[pos], sin[pos])
+    out = torch.empty(q.shape, dtype=qkv.dtype, device=qkv.device)
     for i in range(len(bounds) - 1):  # per sequence: sequences never see each other
         s, e = bounds[i], bounds[i + 1]
-        dt = _acc(q)
+        dt = _acc(qkv)
         kk = k[s:e].to(dt).transpose(0, 1).repeat_interleave(H // Hkv, 0)
         vv = v[s:e].to(dt).transpose(0, 1).repeat_interleave(H // Hkv, 0)
         qq = (q[i:i + 1] if last_only else q[s:e]).to(dt).transpose(0, 1)
         n, m = qq.shape[1], e - s
-        qpos = torch.arange(m - n, m, device=q.device)[:, None]
-        kpos = torch.arange(m, device=q.device)[None, :]
+        qpos = torch.arange(m - n, m, device=qkv.device)[:, None]
+        kpos = torch.arange(m, device=qkv.device)[None, :]
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
         if last_only:
-            out[i] = o[:, 0].to(q.dtype)
+            out[i] = o[:, 0].to(qkv.dtype)
         else:
-            out[s:e] = o.transpose(0, 1).to(q.dtype)
-    return out
+            out[s:e] = o.transpose(0, 1).to(qkv.dtype)
+    return out.reshape(out.shape[0], H * D)

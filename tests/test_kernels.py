@@ -9,6 +9,7 @@ import torch
 
 from kernel_cases import adapters_for, check, gemm_case, lora_stack, packed, up64
 from policyscan.kernels import reference
+from policyscan.kernels.reference import AttnShape
 
 triton = pytest.importorskip("triton")
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
@@ -75,7 +76,7 @@ def test_prologue(device, kind):
                    torch.full((M,), nan, device=device) if quant else None, torch.full((M, r), nan, device=device))
             h, hs, s = prologue(*args, out=out)
             rh, rhs, rs = reference.prologue(*args)
-            e64 = reference.prologue(*up64(dict(enumerate(args))).values())
+            e64 = reference.prologue(*list(up64(dict(enumerate(args))).values())[:-1], False)
             what = f"prologue {kind} M={M} K={K} r={r} {dtype} quant={quant}"
             if quant:
                 check(h.double() * hs.double()[:, None], rh.double() * rhs.double()[:, None], e64[0], what + " h")
@@ -87,22 +88,29 @@ def test_prologue(device, kind):
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("last_only", [False, True])
-def test_varlen_attention(device, window, last_only):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_varlen_attention(device, window, last_only, qk_norm):
     g = gen()
     if device == "cpu":
-        lengths, H, Hkv, D, dtype = [1, 7, 33, 64, 20, 3], 6, 2, 20, torch.float32
+        lengths, shape, dtype = [1, 7, 33, 64, 20, 3], AttnShape(6, 2, 20), torch.float32
     else:
-        lengths, H, Hkv, D, dtype = [1, 700, 257, 64, 1500, 3, 130], 24, 8, 128, torch.bfloat16
+        lengths, shape, dtype = [1, 700, 257, 64, 1500, 3, 130], AttnShape(24, 8, 128), torch.bfloat16
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = sum(lengths)
     cu = packed(lengths, device)
-    k = torch.randn(T, Hkv, D, generator=g).to(dtype).to(device)
-    v = torch.randn(T, Hkv, D, generator=g).to(dtype).to(device)
-    q = torch.randn(len(lengths) if last_only else T, H, D, generator=g).to(dtype).to(device)
-    out = torch.full_like(q, float("nan"))
-    varlen_attention(q, k, v, cu, D ** -0.5, window, last_only, max(lengths), out=out)
-    same = reference.varlen_attention(q, k, v, cu, D ** -0.5, window, last_only)
-    ref64 = reference.varlen_attention(q.double(), k.double(), v.double(), cu, D ** -0.5, window, last_only)
-    check(out, same, ref64, f"attention window={window} last_only={last_only} {dtype}")
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype).to(device)
+    ang = torch.outer(torch.arange(max(lengths), dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
+    cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
+    qn = kn = None
+    if qk_norm:
+        qn, kn = ((1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(device) for _ in range(2))
+    args = (cu, cos, sin, shape, D ** -0.5, window, qn, kn, 1e-6, last_only, max(lengths))
+    out = torch.full((len(lengths) if last_only else T, H * D), float("nan"), dtype=dtype, device=device)
+    varlen_attention(qkv, *args, out=out)
+    same = reference.varlen_attention(qkv, *args)
+    up = (None if t is None else t.double() for t in (qn, kn))
+    ref64 = reference.varlen_attention(qkv.double(), cu, cos, sin, shape, D ** -0.5, window, *up, 1e-6, last_only)
+    check(out, same, ref64, f"attention window={window} last_only={last_only} qk_norm={qk_norm} {dtype}")
 
 
 @pytest.mark.gpu
