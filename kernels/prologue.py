@@ -5,8 +5,8 @@ Semantics: h = rmsnorm(x, w) | silu(x[:, :K]) * x[:, K:] | x, rounded to x.dtype
 (zeros for adapter -1) — reference.prologue.
 
 The shrink reads the 16-bit h, never the FP8 one (DESIGN.md). One program owns BM rows and sweeps K in
-chunks: once for the norm's sum of squares, once for the row amax (quantizing), once to write and shrink;
-the re-reads of its 16 rows hit L2.
+chunks twice: once for the row statistics (norm, amax), once to write and shrink; the second read of its
+rows hits L2. Three sweeps with 16-row programs took 1.10 s of W1's 6.3 s GPU time (bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -45,24 +45,33 @@ def _prologue_kernel(
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < M
     nk = tl.cdiv(K, BK)
+    # One sweep for the row statistics: the norm's sum of squares and the amax that sets the FP8 scale.
+    # amax(rmsnorm(x)) = rstd * amax(x * w), so a normed row needs no extra sweep.
     rstd = tl.zeros((BM,), dtype=tl.float32)
-    if NORM:
-        ss = tl.zeros((BM,), dtype=tl.float32)
-        for k in range(0, nk):
-            rk = k * BK + tl.arange(0, BK)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk[None, :] < K),
-                        other=0.0).to(tl.float32)
-            ss += tl.sum(x * x, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
     scale = tl.full((BM,), 1.0, dtype=tl.float32)
-    if QUANT:
-        amax = tl.zeros((BM,), dtype=tl.float32)
+    if NORM or QUANT:
+        ss = tl.zeros((BM,), dtype=tl.float32)
+        mx = tl.zeros((BM,), dtype=tl.float32)
         for k in range(0, nk):
             rk = k * BK + tl.arange(0, BK)
-            h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM, SILU).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
-        scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        tl.store(hs_ptr + rm, scale, mask=m_ok)
+            if NORM:
+                k_ok = rk < K
+                xr = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                             other=0.0)
+                x = xr.to(tl.float32)
+                ss += tl.sum(x * x, axis=1)
+                w = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+                mx = tl.maximum(mx, tl.max(tl.abs(x * w[None, :]), axis=1))
+            else:
+                h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM, SILU).to(tl.float32)
+                mx = tl.maximum(mx, tl.max(tl.abs(h), axis=1))
+        if NORM:
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+            # the reference takes amax of h rounded to the input dtype; rounding is monotonic
+            mx = (mx * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if QUANT:
+            scale = tl.where(mx > 0, mx / 448.0, 1.0)
+            tl.store(hs_ptr + rm, scale, mask=m_ok)
     rr = tl.arange(0, BR)
     sacc = tl.zeros((BM, BR), dtype=tl.float32)
     lo = 0
@@ -125,7 +134,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu
     if M == 0:
         return h, hs, s
     interpret = x.device.type == "cpu"
-    BM = 16
+    BM = 16 if interpret else 32
     BK = 32 if interpret else min(256, triton.next_power_of_2(K))
     dummy = h
     _prologue_kernel[(triton.cdiv(M, BM),)](
@@ -135,5 +144,5 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0,
         NORM=norm_weight is not None, SILU=silu_mul, QUANT=quant, HAS_LORA=A is not None,
         BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4 if interpret else 8)
     return h, hs, s
