@@ -23,15 +23,17 @@ def lora_stack(n: int, r: int, out: int, k: int, dtype, g, device):
     return A, B
 
 
-def tol(ref_same: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype) -> float:
+def tol(ref_same: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype, factor: float = 2.0) -> float:
     eps = torch.finfo(dtype).eps
-    return 2 * (ref_same.double() - ref64).abs().max().item() + 2 * eps * ref64.abs().max().item()
+    return factor * (ref_same.double() - ref64).abs().max().item() + 2 * eps * ref64.abs().max().item()
 
 
-def check(out: torch.Tensor, ref_same: torch.Tensor, ref64: torch.Tensor, what: str) -> None:
+def check(out: torch.Tensor, ref_same: torch.Tensor, ref64: torch.Tensor, what: str, factor: float = 2.0) -> None:
+    """factor: how far the kernel may be from fp64, in units of the twin's own error. 2 for outputs rounded to
+    16 bits; fp32 sums in another order (tensor-core accumulation) need 4 (seen: 2.08x on a K=3072 shrink)."""
     assert torch.isfinite(out.double()).all(), f"{what}: non-finite values (unwritten output?)"
     err = (out.double() - ref64).abs().max().item()
-    bound = tol(ref_same, ref64, out.dtype if out.dtype.is_floating_point else torch.float32)
+    bound = tol(ref_same, ref64, out.dtype if out.dtype.is_floating_point else torch.float32, factor)
     assert err <= bound, f"{what}: max error {err:.3e} > bound {bound:.3e}"
 
 
