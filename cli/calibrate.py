@@ -19,7 +19,7 @@ from ..engine.policy import load_policy
 from ..engine.prompts import render_messages
 from ..engine.runner import Engine, EngineSettings
 from ..engine.sources import ReadSpec, expand_inputs, read_chunks
-from .common import default_model, engine_options, friendly_errors, model_option
+from .common import clip_chars, default_model, engine_options, friendly_errors, model_option
 
 
 @click.command()
@@ -50,8 +50,8 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         label_col = label_column or "label"
     else:
         engine = Engine(model or default_model(), [policy], EngineSettings(device, precision, batch_tokens, max_length))
-        ids, f, raw_labels, label_col = _score(engine, files, ReadSpec(text_column, messages_column, id_column),
-                                               label_column)
+        spec = ReadSpec(text_column, messages_column, id_column, max_chars=clip_chars(max_length))
+        ids, f, raw_labels, label_col = _score(engine, files, spec, label_column)
     y, bad = parse_labels(raw_labels, policy.compliant, policy.violation)
     if bad:
         click.echo(f"{len(bad)} rows have no usable label and are left out, e.g. row {bad[0][0]}: {bad[0][1]}", err=True)
@@ -95,7 +95,7 @@ def _score(engine: Engine, files: list[Path], spec: ReadSpec, label_column: str 
     ids, texts, labels, col = [], [], [], None
     for path in files:
         col = label_column or _label_guess(path, spec, engine.policies[0].name)
-        spec_l = ReadSpec(spec.text_column, spec.messages_column, spec.id_column, (col,))
+        spec_l = ReadSpec(spec.text_column, spec.messages_column, spec.id_column, (col,), max_chars=spec.max_chars)
         for chunk in read_chunks(path, spec_l, lambda m: render_messages(m, None, cfg)):
             for i, t in enumerate(chunk.texts):
                 if t is None:

@@ -23,6 +23,13 @@ def default_policies() -> tuple[str, ...]:
     return tuple(env.split(os.pathsep)) if env else (str(SAMPLE / "policies"),)
 
 
+def clip_chars(max_length: int) -> int:
+    """Conversations longer than this many characters keep only their tail before tokenizing: 64 characters
+    a token is far more than byte-level BPE ever averages, so the tokens kept after left truncation are the
+    same, and a 1 GB row costs no more than a long one."""
+    return max(64 * max_length, 65536)
+
+
 def model_option(f):
     return click.option("--model", "model", default=None, metavar="DIR",
                         help="Hugging Face model directory [default: $POLICYSCAN_MODEL, else the sample model]")(f)

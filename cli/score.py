@@ -12,7 +12,7 @@ from ..engine.pipeline import Accounting, OutputSpec, run_key, score_inputs, up_
 from ..engine.policy import load_policies
 from ..engine.runner import Engine, EngineSettings
 from ..engine.sources import ReadSpec, expand_inputs
-from .common import (EXIT_OK, EXIT_ROW_ERRORS, default_model, default_policies, engine_options,
+from .common import (EXIT_OK, clip_chars, EXIT_ROW_ERRORS, default_model, default_policies, engine_options,
                      friendly_errors, model_option)
 
 
@@ -45,7 +45,7 @@ def score(inputs, output, model, policies, text_column, messages_column, id_colu
 
     Exit status: 0 all rows scored, 3 finished with rows in the errors file, 2 usage error, 1 failure."""
     files = expand_inputs(list(inputs))
-    spec = ReadSpec(text_column, messages_column, id_column, tuple(keep))
+    spec = ReadSpec(text_column, messages_column, id_column, tuple(keep), max_chars=clip_chars(max_length))
     out = OutputSpec(fmt, layout, raw, strict)
     per_input = output is not None and (output.endswith(("/", "\\")) or Path(output).is_dir())
     if errors_path and per_input:
