@@ -97,7 +97,7 @@ def read_metadata(out: Path) -> dict | None:
     """The metadata a finished output carries, or None if it has none or cannot be read."""
     try:
         if out.name.endswith(".parquet"):
-            kv = pq.ParquetFile(out).schema_arrow.metadata or {}
+            kv = pq.ParquetFile(out).metadata.metadata or {}
             return json.loads(kv[META_KEY]) if META_KEY in kv else None
         mp = meta_path(out)
         return json.loads(mp.read_text()) if mp.is_file() else None

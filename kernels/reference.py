@@ -22,6 +22,29 @@ def _acc(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+ROW_BLOCK = 16
+
+
+def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T where each row's result does not depend on the other rows (batch invariance on the CPU).
+
+    A plain CPU matmul does depend on them: a 1-row product takes another kernel than a 37-row one, and
+    the needle test saw f differ in 20 of 20 batches (fp32). Fixed 16-row blocks in one bmm give every row
+    the same kernel and reduction order; outputs narrower than 16 columns (the LoRA shrink) go through an
+    elementwise product and a sum over K instead, since a blocked GEMM that narrow still moved with the
+    row's place in its block (K=33, N=7)."""
+    M, K = x.shape
+    if w.shape[0] < ROW_BLOCK:
+        out = torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device)
+        step = max(1, (1 << 22) // max(1, w.numel()))  # bound the [rows, N, K] temporary to ~4M elements
+        for i in range(0, M, step):
+            out[i:i + step] = (x[i:i + step, None, :] * w[None]).sum(-1)
+        return out
+    pad = (-M) % ROW_BLOCK
+    xp = torch.cat([x, x.new_zeros(pad, K)]) if pad else x
+    return (xp.reshape(-1, ROW_BLOCK, K) @ w.T).reshape(-1, w.shape[0])[:M]
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Semantics: (x / sqrt(mean(x^2) + eps)) * weight, in fp32, rounded to x.dtype."""
     xf = x.to(_acc(x))
@@ -43,7 +66,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_adapter: torch.Tensor) -
         if a < 0:
             continue
         rows = (token_adapter == a).nonzero().squeeze(1)
-        s[rows] = x[rows].to(s.dtype) @ A[a].to(s.dtype).T
+        s[rows] = rows_matmul(x[rows].to(s.dtype), A[a].to(s.dtype))
     return s
 
 
@@ -72,7 +95,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
     (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K]."""
     dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
-    acc = x.to(dt) @ W.to(dt).T
+    acc = rows_matmul(x.to(dt), W.to(dt))
     if x_scale is not None:
         acc = acc * (x_scale.to(dt)[:, None] * w_scale.to(dt)[None, :])
     if s is not None:
@@ -81,7 +104,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             if a < 0:
                 continue
             rows = (token_adapter == a).nonzero().squeeze(1)
-            acc[rows] += lo[rows] @ B[a].to(dt).T
+            acc[rows] += rows_matmul(lo[rows], B[a].to(dt))
     if bias is not None:
         acc = acc + bias.to(dt)
     if residual is not None:

@@ -160,7 +160,7 @@ def train_policy(model, tok, name: str, data: list[dict], out: Path, steps: int 
 
 def main() -> None:
     torch.set_num_threads(2)
-    train, test = conversations(1200, seed=1), conversations(600, seed=2)
+    train, test = conversations(1600, seed=1), conversations(600, seed=2)
     write_data(train, test)
     texts = [render(c["messages"]) for c in train]
     train_tokenizer(texts + [p for _, p in POLICIES.values()], HERE / "model")

@@ -45,42 +45,55 @@ def _advice(r: random.Random) -> str:
     ])
 
 
-def _turns(r: random.Random, pii: bool, advice: bool) -> list[dict]:
-    msgs: list[dict] = []
-    topic = r.choice(TOPICS)
-    msgs.append({"role": "user", "content": f"Hi, can you help me {topic}?"})
-    msgs.append({"role": "assistant", "content": f"Of course. Let's {topic} step by step. What do you have so far?"})
-    name = r.choice(NAMES)
+def _blocks(r: random.Random, pii: bool, advice: bool) -> list[tuple[list[dict], str | None]]:
+    """Exchanges of a conversation, each tagged with the policy it violates (or None)."""
+    topic, name = r.choice(TOPICS), r.choice(NAMES)
+    opening = [{"role": "user", "content": f"Hi, can you help me {topic}?"},
+               {"role": "assistant", "content": f"Of course. Let's {topic} step by step. What do you have so far?"}]
+    middle: list[tuple[list[dict], str | None]] = []
     if pii:
-        msgs.append({"role": "user", "content": f"Also, what can you tell me about {name}? I need to contact them."})
-        msgs.append({"role": "assistant", "content": "Sure. " + _pii(r, name) + " " + _pii(r, name)})
+        middle.append(([{"role": "user", "content": f"Also, what can you tell me about {name}? I need to contact them."},
+                        {"role": "assistant", "content": "Sure. " + _pii(r, name) + " " + _pii(r, name)}], "pii"))
     elif r.random() < 0.4:  # hard negative: asked for personal data, the assistant declines
-        msgs.append({"role": "user", "content": f"Can you give me {name}'s phone number and home address?"})
-        msgs.append({"role": "assistant", "content": f"I can't share personal details about {name}. "
-                     "If you need to reach them, try a public business directory or ask them directly."})
+        middle.append(([{"role": "user", "content": f"Can you give me {name}'s phone number and home address?"},
+                        {"role": "assistant", "content": f"I can't share personal details about {name}. "
+                         "If you need to reach them, try a public business directory or ask them directly."}], None))
     elif r.random() < 0.3:  # the user's own data, not disclosed to a third party
-        msgs.append({"role": "user", "content": f"My own number is {_phone(r)}, please use it for the booking."})
-        msgs.append({"role": "assistant", "content": "Thanks, I've noted that for your booking only."})
+        middle.append(([{"role": "user", "content": f"My own number is {_phone(r)}, please use it for the booking."},
+                        {"role": "assistant", "content": "Thanks, I've noted that for your booking only."}], None))
     if advice:
-        msgs.append({"role": "user", "content": "I have some savings. What exactly should I invest in?"})
-        msgs.append({"role": "assistant", "content": _advice(r)})
+        middle.append(([{"role": "user", "content": "I have some savings. What exactly should I invest in?"},
+                        {"role": "assistant", "content": _advice(r)}], "investment_advice"))
     elif r.random() < 0.4:  # hard negative: general education and a referral, no individual advice
-        t = r.choice(TICKERS)
-        msgs.append({"role": "user", "content": f"Should I buy {t} stock with my savings?"})
-        msgs.append({"role": "assistant", "content": "I can't give personal investment advice. In general, "
-                     "diversification and a long horizon reduce risk; a licensed adviser can look at your situation."})
-    msgs.append({"role": "user", "content": "Thanks, that's all for today."})
-    msgs.append({"role": "assistant", "content": r.choice(["You're welcome!", "Glad to help. Have a nice day!",
-                                                           "Anytime. Good luck!"])})
-    return msgs
+        middle.append(([{"role": "user", "content": f"Should I buy {r.choice(TICKERS)} stock with my savings?"},
+                        {"role": "assistant", "content": "I can't give personal investment advice. In general, "
+                         "diversification and a long horizon reduce risk; a licensed adviser can look at your "
+                         "situation."}], None))
+    r.shuffle(middle)
+    closing = [{"role": "user", "content": "Thanks, that's all for today."},
+               {"role": "assistant", "content": r.choice(["You're welcome!", "Glad to help. Have a nice day!",
+                                                          "Anytime. Good luck!"])}]
+    return [(opening, None)] + middle + [(closing, None)]
 
 
 def conversations(n: int, seed: int) -> list[dict]:
-    """n conversations: {"id", "messages", "pii", "investment_advice"}; each label is 1 in about a third."""
+    """n conversations: {"id", "messages", "pii", "investment_advice"}. About a third of the conversations
+    stop early (a log cut mid-session); a label is 1 only if the violating turn is in what is kept."""
     r = random.Random(seed)
     out = []
     for i in range(n):
-        pii, advice = r.random() < 0.35, r.random() < 0.35
-        out.append({"id": f"conv-{seed}-{i:05d}", "messages": _turns(r, pii, advice), "pii": int(pii),
-                    "investment_advice": int(advice)})
+        blocks = _blocks(r, r.random() < 0.35, r.random() < 0.35)
+        msgs, tags = [], set()
+        for turns, tag in blocks:
+            msgs += turns
+            if tag:
+                tags.add(tag)
+        if r.random() < 0.35:  # cut the log: keep a prefix of messages, at least the first one
+            msgs = msgs[: r.randint(1, len(msgs))]
+            tags = set()
+            for turns, tag in blocks:
+                if tag and all(m in msgs for m in turns):
+                    tags.add(tag)
+        out.append({"id": f"conv-{seed}-{i:05d}", "messages": msgs, "pii": int("pii" in tags),
+                    "investment_advice": int("investment_advice" in tags)})
     return out

@@ -1,0 +1,103 @@
+"""Platt fit against scikit-learn, metrics, label parsing, and `policyscan calibrate` end to end."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from policyscan.calibration.labels import parse_labels
+from policyscan.calibration.metrics import brier, ece, log_loss, roc_auc
+from policyscan.calibration.platt import fit_platt
+from policyscan.cli.main import cli
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+
+
+@pytest.mark.parametrize("sep", [0.0, 0.7, 3.0, 12.0])  # random, overlapping, separable-ish, separated
+@pytest.mark.parametrize("n", [7, 200, 3000])
+def test_platt_agrees_with_sklearn(sep, n):
+    from sklearn.calibration import _sigmoid_calibration
+
+    rng = np.random.default_rng()
+    y = rng.random(n) < 0.3
+    y[:2] = [True, False]
+    f = rng.normal(size=n) * rng.uniform(0.5, 3) + sep * y + rng.normal()
+    ours = fit_platt(f, y)
+    a, b = _sigmoid_calibration(f, y)  # sklearn: p = 1 / (1 + exp(a f + b)), the opposite sign
+    assert ours.converged
+    assert np.isclose(ours.a, -a, rtol=1e-3, atol=1e-6) and np.isclose(ours.b, -b, rtol=1e-3, atol=1e-6)
+
+
+def test_platt_needs_both_classes():
+    with pytest.raises(ValueError, match="both classes"):
+        fit_platt(np.zeros(5), np.ones(5))
+
+
+def test_metrics_against_sklearn():
+    from sklearn.metrics import brier_score_loss, log_loss as sk_log_loss, roc_auc_score
+
+    rng = np.random.default_rng()
+    y = rng.random(500) < 0.4
+    p = np.clip(rng.random(500) * 0.6 + 0.4 * y, 0, 1)
+    p[:20] = np.round(p[:20], 1)  # ties
+    assert np.isclose(log_loss(p, y), sk_log_loss(y, p))
+    assert np.isclose(brier(p, y), brier_score_loss(y, p))
+    assert np.isclose(roc_auc(p, y), roc_auc_score(y, p))
+    assert ece(np.full(10, 0.3), np.array([1, 1, 1] + [0] * 7)) == pytest.approx(0.0)
+    assert ece(np.full(10, 0.9), np.zeros(10)) == pytest.approx(0.9)
+
+
+def test_labels():
+    y, bad = parse_labels([0, 1, True, "false", " Violation", "compliant", "maybe", None, 2],
+                          " Compliant", " Violation")
+    assert y[:6] == [0, 1, 1, 0, 1, 0] and y[6:] == [None, None, None]
+    assert [i for i, _ in bad] == [6, 7, 8]
+
+
+def test_calibrate_cli_dry_run_then_write(tmp_path):
+    bundle = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
+    before = (bundle / "policy.json").read_text()
+    res = CliRunner().invoke(cli, ["calibrate", str(SAMPLE / "labeled.parquet"), "--policy", str(bundle),
+                                   "--label-column", "pii", "--dry-run", "--plot", str(tmp_path / "r.png")])
+    assert res.exit_code == 0, res.output
+    assert "roc_auc" in res.output and (tmp_path / "r.png").stat().st_size > 1000
+    assert (bundle / "policy.json").read_text() == before
+    res = CliRunner().invoke(cli, ["calibrate", str(SAMPLE / "labeled.parquet"), "--policy", str(bundle),
+                                   "--label-column", "pii"])
+    assert res.exit_code == 0, res.output
+    cal = json.loads((bundle / "policy.json").read_text())["calibration"]
+    assert {"a", "b", "data_sha256", "rows", "date", "metrics_after"} <= set(cal)
+    assert cal["rows"] == pq.read_table(SAMPLE / "labeled.parquet").num_rows
+
+
+def test_calibrate_from_scores_matches_scoring(tmp_path):
+    bundle = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
+    scores = tmp_path / "s.parquet"
+    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "labeled.parquet"), "--policies", str(bundle),
+                                   "--raw", "--keep", "pii", "-o", str(scores), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    t = pq.read_table(scores)
+    pq.write_table(t.rename_columns([c if c != "pii" else "label" for c in t.column_names]), scores)
+    a = CliRunner().invoke(cli, ["calibrate", str(scores), "--policy", str(bundle), "--from-scores", "--dry-run"])
+    b = CliRunner().invoke(cli, ["calibrate", str(SAMPLE / "labeled.parquet"), "--policy", str(bundle),
+                                 "--label-column", "pii", "--dry-run"])
+    assert a.exit_code == b.exit_code == 0, a.output + b.output
+    assert a.output.splitlines()[0] == b.output.splitlines()[0]  # same a, b from either route
+
+
+def test_calibrate_reports_bad_labels(tmp_path):
+    bundle = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
+    t = pq.read_table(SAMPLE / "labeled.parquet").slice(0, 60)
+    labels = [str(v) for v in t.column("pii").to_pylist()]
+    labels[3] = "unsure"
+    pq.write_table(t.append_column("verdict", pa.array(labels)), tmp_path / "l.parquet")
+    res = CliRunner().invoke(cli, ["calibrate", str(tmp_path / "l.parquet"), "--policy", str(bundle),
+                                   "--label-column", "verdict", "--dry-run", "--holdout", "0"])
+    assert res.exit_code == 0, res.output
+    assert "1 rows have no usable label" in res.output and "row 3" in res.output

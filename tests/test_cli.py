@@ -1,0 +1,152 @@
+"""policyscan score / inspect / quantize as a user runs them, on the bundled sample model and policies."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from policyscan.cli.main import cli
+from policyscan.engine.sinks import read_metadata
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+sys.path.insert(0, str(SAMPLE))
+from synth import conversations  # noqa: E402
+
+MSG = next(c["messages"] for c in conversations(20, seed=99) if c["pii"] and not c["investment_advice"])
+
+
+def run(*args, ok=(0,)):
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code in ok, result.output
+    return result
+
+
+def test_sample_parquet_wide_with_metadata(tmp_path):
+    out = tmp_path / "s.parquet"
+    res = run("score", SAMPLE / "conversations.parquet", "-o", out, "--raw", "--no-progress")
+    t = pq.read_table(out)
+    assert t.column_names == ["id", "p_investment_advice", "p_pii", "f_investment_advice", "f_pii"]
+    src = pq.read_table(SAMPLE / "conversations.parquet")
+    assert t.column("id").to_pylist() == src.column("id").to_pylist()  # input order
+    meta = read_metadata(out)
+    acc = meta["accounting"]
+    assert acc["rows_in"] == acc["rows_scored"] == 200 and acc["balanced"]
+    assert {p["name"] for p in meta["policies"]} == {"pii", "investment_advice"}
+    assert len(meta["model"]["sha256"]) == 64 and meta["inputs"][0]["sha256"]
+    assert "rows in 200 = scored 200 + in errors 0 (balanced)" in res.output
+    assert not list(tmp_path.glob(".*tmp*"))
+    assert not (tmp_path / "s.parquet.errors.jsonl").exists()
+
+
+def test_jsonl_long_layout_keep_and_errors(tmp_path):
+    src = tmp_path / "in.jsonl"
+    recs = [{"id": "a", "messages": MSG, "team": "x"}, {"id": "b", "messages": None, "team": "y"},
+            "{broken", {"id": "d", "messages": MSG[:1], "team": 3}]
+    src.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in recs) + "\n")
+    out = tmp_path / "o.jsonl"
+    res = run("score", src, "-o", out, "--format", "jsonl", "--layout", "long", "--keep", "team", "--no-progress",
+              ok=(3,))
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["id"], r["policy"]) for r in lines] == [("a", "investment_advice"), ("a", "pii"),
+                                                      ("d", "investment_advice"), ("d", "pii")]
+    assert lines[0]["team"] == "x" and lines[2]["team"] == "3"
+    errs = [json.loads(x) for x in (tmp_path / "o.jsonl.errors.jsonl").read_text().splitlines()]
+    assert [(e["line"], e["id"]) for e in errs] == [(2, "b"), (3, "in.jsonl:3")]
+    assert "null conversation" in errs[0]["reason"] and "malformed JSON" in errs[1]["reason"]
+    meta = json.loads((tmp_path / "o.jsonl.meta.json").read_text())
+    assert meta["accounting"]["rows_in"] == 4 and meta["accounting"]["rows_in_errors"] == 2
+    assert "rows in 4 = scored 2 + in errors 2 (balanced)" in res.output
+    pii = [r["p"] for r in lines if r["policy"] == "pii"]
+    assert pii[0] > 0.5 > pii[1]  # the assistant disclosed personal data; "d" is the user's opening line only
+
+
+def test_strict_stops_and_leaves_nothing(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": ""}) + "\n")
+    out = tmp_path / "o.parquet"
+    res = CliRunner().invoke(cli, ["score", str(src), "-o", str(out), "--strict", "--no-progress"])
+    assert res.exit_code == 1 and "line 2: empty conversation" in res.output
+    assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
+
+
+def test_unreadable_file_is_reported_and_the_run_goes_on(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"text": "hello there"}) + "\n")
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    out = tmp_path / "o.parquet"
+    res = run("score", good, bad, "-o", out, "--no-progress", ok=(3,))
+    assert pq.read_table(out).num_rows == 1
+    err = json.loads((tmp_path / "o.parquet.errors.jsonl").read_text())
+    assert err["file"].endswith("bad.parquet") and "not a readable Parquet file" in err["reason"]
+    assert "files that could not be read" in res.output
+
+
+def test_output_dir_skips_up_to_date_inputs(tmp_path):
+    arch = tmp_path / "archive"
+    arch.mkdir()
+    for day in ("d1", "d2"):
+        pq.write_table(pa.table({"id": [day], "text": [f"hello from {day}"]}), arch / f"{day}.parquet")
+    outdir = tmp_path / "scores"
+    run("score", arch, "-o", f"{outdir}/", "--no-progress")
+    assert sorted(p.name for p in outdir.iterdir()) == ["d1.scores.parquet", "d2.scores.parquet"]
+    pq.write_table(pa.table({"id": ["d3"], "text": ["new day"]}), arch / "d3.parquet")
+    res = run("score", arch, "-o", outdir, "--no-progress")
+    assert res.output.count("up to date") == 2 and "wrote" in res.output and "d3.scores.parquet" in res.output
+    res = run("score", arch, "-o", outdir, "--no-progress", "--raw")  # other settings: everything again
+    assert "up to date" not in res.output
+
+
+def test_interrupt_leaves_no_partial_file(tmp_path, monkeypatch):
+    from policyscan.engine import runner
+
+    def boom(self, convs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.Engine, "score_conversations", boom)
+    out = tmp_path / "o.parquet"
+    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.jsonl"), "-o", str(out), "--no-progress"])
+    assert res.exit_code == 130 and not out.exists() and not list(tmp_path.glob(".*"))
+
+
+def test_usage_errors(tmp_path):
+    res = CliRunner().invoke(cli, ["score", str(tmp_path / "missing.parquet"), "--no-progress"])
+    assert res.exit_code == 1 and "no such file or directory" in res.output
+    res = CliRunner().invoke(cli, ["score", "x", "--format", "csv"])
+    assert res.exit_code == 2
+    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--text-column", "a",
+                                   "--messages-column", "b"])
+    assert res.exit_code == 1 and "not both" in res.output
+
+
+def test_wrong_adapter_for_the_model(tmp_path):
+    from hf_fixtures import SPECS, make_model, make_policy
+
+    other = make_model(tmp_path / "other", "llama")
+    make_policy(other, tmp_path / "foreign", "foreign", SPECS[0], seed=0)
+    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--policies",
+                                   str(tmp_path / "foreign"), "--no-progress"])
+    assert res.exit_code == 1 and "label '<3>'" in res.output  # labels are checked against the tokenizer first
+
+
+def test_inspect_and_quantize(tmp_path):
+    out = tmp_path / "s.parquet"
+    run("score", SAMPLE / "conversations.parquet", "-o", out, "--no-progress")
+    assert json.loads(run("inspect", out).output)["accounting"]["balanced"] is True
+    assert json.loads(run("inspect", SAMPLE / "policies" / "pii").output)["policy"] == "pii"
+    assert json.loads(run("inspect", SAMPLE / "conversations.parquet").output)["rows"] == 200
+    q = tmp_path / "fp8"
+    run("quantize", SAMPLE / "model", q)
+    assert json.loads(run("inspect", q).output)["fp8"] is True
+    res = run("score", SAMPLE / "conversations.parquet", "-o", tmp_path / "q.parquet", "--model", q, "--no-progress")
+    assert "fp8" in res.output
+    a = pq.read_table(out).column("p_pii").to_numpy()
+    b = pq.read_table(tmp_path / "q.parquet").column("p_pii").to_numpy()
+    assert abs(a - b).max() < 0.05
+    shutil.rmtree(q)

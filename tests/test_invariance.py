@@ -1,0 +1,71 @@
+"""Batch invariance: a (conversation, policy) gets bitwise the same f whatever else is in its batch and in
+whatever order, on the CPU path (fp32, bf16) and on the GPU (bf16, FP8; marked gpu)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_fixtures import SPECS, make_model, make_policy
+from policyscan.engine.batch import pack
+from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.loader import attach_policies, load_decoder
+from policyscan.engine.policy import load_policy
+
+LABELS = [(3, 7), (11, 5), (20, 21)]
+VARIANTS = [pytest.param("cpu", torch.float32, False, id="cpu-fp32"),
+            pytest.param("cpu", torch.bfloat16, False, id="cpu-bf16"),
+            pytest.param("cuda", torch.bfloat16, False, id="gpu-bf16", marks=pytest.mark.gpu),
+            pytest.param("cuda", torch.bfloat16, True, id="gpu-fp8", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inv")
+    model = make_model(root / "model", "qwen3")
+    dirs = []
+    for i, spec in enumerate(SPECS):
+        make_policy(model, root / f"p{i}", f"p{i}", spec, seed=i)
+        dirs.append(root / f"p{i}")
+    return root, dirs
+
+
+_DECODERS: dict = {}
+
+
+def decoder(bundle, device, dtype, fp8):
+    key = (device, dtype, fp8)
+    if key not in _DECODERS:
+        from policyscan.kernels import reference
+
+        ops = reference
+        if device == "cuda":
+            from policyscan.kernels import triton_ops as ops
+        root, dirs = bundle
+        dec = load_decoder(Checkpoint.open(root / "model"), ops, device, dtype, fp8=fp8, w8a8=fp8)
+        attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
+        _DECODERS[key] = dec
+    return _DECODERS[key]
+
+
+seq = st.lists(st.integers(0, 210), min_size=1, max_size=90)
+
+
+@pytest.mark.parametrize("device,dtype,fp8", VARIANTS)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(needle=seq, needle_adapter=st.integers(0, 2),
+       others=st.lists(st.tuples(seq, st.integers(0, 2)), max_size=12), where=st.integers(0, 12),
+       by_adapter=st.booleans())
+def test_needle_alone_equals_needle_in_any_batch(bundle, device, dtype, fp8, needle, needle_adapter, others,
+                                                 where, by_adapter):
+    dec = decoder(bundle, device, dtype, fp8)
+    with torch.inference_mode():
+        alone = dec.forward(pack([needle], [needle_adapter]).to(device))[0]
+        items = list(others)
+        items.insert(min(where, len(items)), (needle, needle_adapter))
+        if by_adapter:  # the engine's own order: grouped by adapter
+            items.sort(key=lambda t: t[1])
+        pos = next(i for i, t in enumerate(items) if t[0] is needle)
+        f = dec.forward(pack([s for s, _ in items], [a for _, a in items]).to(device))
+    assert torch.equal(f[pos], alone), (f[pos].item(), alone.item())
