@@ -9,3 +9,4 @@ if [ -z "$SKIP_TESTS" ]; then
   python3 -m pytest -m gpu tests -q -x -s -p no:cacheprovider 2>&1 | tee ${OUT:-/tmp}/gpu_tests.log | grep -E "max \||passed|failed|Error|error" | head -60
 fi
 python3 bench/run.py "$@" --out ${OUT:-/tmp}/bench.json 2>&1 | tee ${OUT:-/tmp}/bench.log | tail -40
+if [ -n "$SWEEP" ]; then python3 bench/sweep.py 2>&1 | tee ${OUT:-/tmp}/sweep.log; fi

@@ -10,6 +10,7 @@ from .calibrate import calibrate
 from .inspect import inspect_cmd
 from .quantize import quantize
 from .score import score
+from .verify import verify
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,6 +23,7 @@ cli.add_command(score)
 cli.add_command(calibrate)
 cli.add_command(quantize)
 cli.add_command(inspect_cmd)
+cli.add_command(verify)
 
 
 def _sigterm(signum, frame):

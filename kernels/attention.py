@@ -109,9 +109,10 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Ten
                      shape: AttnShape, scale: float, window: int | None = None,
                      q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
                      last_only: bool = False, max_seqlen: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; cos/sin fp32 [P, D/2]
-    covering every position; `out` [Tq, H D] is written in place when given."""
+    covering every position; `out` [Tq, H D] is written in place when given; `config` (BM, BN, num_warps,
+    num_stages) overrides the tile choice (bench/sweep.py)."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D or qkv.stride(1) != 1:
@@ -135,12 +136,15 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Ten
     if B == 0:
         return out
     interpret = qkv.device.type == "cpu"
-    BM, BN = (16, 16) if interpret else (64, 64)
+    cfg = dict(BM=16, BN=16, num_warps=4, num_stages=1) if interpret else \
+        dict(BM=64, BN=64, num_warps=4, num_stages=2)
+    cfg.update(config or {})
+    BM, BN = (16, cfg["BN"]) if last_only else (cfg["BM"], cfg["BN"])  # last_only: one query per sequence
     grid = (triton.cdiv(1 if last_only else max_seqlen, BM), B, H)
     _attn_kernel[grid](
         qkv, out, cu_seqlens, cos, sin, q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos,
         scale, eps, window or 0, H // Hkv, qkv.stride(0), out.stride(0), H * D, (H + Hkv) * D,
         HALF=D // 2, LAST_ONLY=last_only, NORM=q_norm is not None, BM=BM, BN=BN,
         BH=max(16, triton.next_power_of_2(D // 2)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=1 if interpret else 2)
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -94,9 +94,9 @@ def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Launcher; same semantics as reference.lora_gemm. x [M, K], W [N, K], B [n, N, R]; `out` is written
-    in place when given."""
+    in place when given; `config` overrides the tile choice (bench/sweep.py)."""
     M, K = x.shape
     N = W.shape[0]
     if W.shape[1] != K or x.dtype != W.dtype:
@@ -121,7 +121,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:
         return y
-    cfg = _config(M, N, K, x.dtype, x.device.type == "cpu")
+    cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
     grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
     dummy = y
     _lora_gemm_kernel[grid](

@@ -103,10 +103,11 @@ def _prologue_kernel(
 
 def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
              A: torch.Tensor | None, token_adapter: torch.Tensor, quant: bool,
-             out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+             out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
+             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launcher; same semantics as reference.prologue. x [M, K] (or [M, 2K] with silu_mul); `out`
-    (h, h_scale, s) is written in place when given."""
+    (h, h_scale, s) is written in place when given; `config` (BM, BK, num_warps) overrides the tile choice
+    (bench/sweep.py)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D with a contiguous last dimension, got {tuple(x.shape)}")
     if norm_weight is not None and silu_mul:
@@ -134,8 +135,10 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu
     if M == 0:
         return h, hs, s
     interpret = x.device.type == "cpu"
-    BM = 16 if interpret else 32
-    BK = 32 if interpret else min(256, triton.next_power_of_2(K))
+    cfg = dict(BM=16, BK=32, num_warps=4) if interpret else \
+        dict(BM=32, BK=min(256, triton.next_power_of_2(K)), num_warps=8)
+    cfg.update(config or {})
+    BM, BK = cfg["BM"], cfg["BK"]
     dummy = h
     _prologue_kernel[(triton.cdiv(M, BM),)](
         x, norm_weight if norm_weight is not None else dummy, A if A is not None else dummy, token_adapter,
@@ -144,5 +147,5 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0,
         NORM=norm_weight is not None, SILU=silu_mul, QUANT=quant, HAS_LORA=A is not None,
         BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4 if interpret else 8)
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
     return h, hs, s

@@ -1,0 +1,102 @@
+"""Tile-shape sweep for the three kernels at W1's shapes (16384-token batches), CUDA-graph timed.
+
+    python bench/sweep.py
+Prints, per kernel and shape, each config's time and the best; results go in bench/NOTES.md."""
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import lengths  # noqa: E402
+
+from policyscan.kernels.attention import varlen_attention  # noqa: E402
+from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
+from policyscan.kernels.prologue import prologue  # noqa: E402
+from policyscan.kernels.reference import AttnShape, quantize_rows  # noqa: E402
+
+T = 16384
+
+
+def timed(fn) -> float:
+    try:
+        return do_bench_cudagraph(fn, rep=50, return_mode="median")
+    except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
+        print(f"    skipped: {type(e).__name__}: {str(e)[:80]}")
+        return float("inf")
+
+
+def sweep_prologue() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ad = torch.sort(torch.randint(0, 8, (T,), device="cuda", generator=g).int()).values
+    for name, K, silu, norm, R in [("qkv", 3072, False, True, 48), ("o", 3072, False, False, 16),
+                                   ("gate_up", 3072, False, True, 32), ("down", 8192, True, False, 16)]:
+        x = torch.randn(T, 2 * K if silu else K, device="cuda", generator=g).bfloat16()
+        w = torch.ones(K, device="cuda", dtype=torch.bfloat16) if norm else None
+        A = (torch.randn(8, R, K, device="cuda", generator=g) * 0.02).bfloat16()
+        best = None
+        for bm, bk, nw in itertools.product([16, 32, 64], [128, 256], [4, 8]):
+            t = timed(lambda: prologue(x, w, 1e-5, silu, A, ad, True, config=dict(BM=bm, BK=bk, num_warps=nw)))
+            nbytes = x.numel() * 2 + T * K  # read x once, write e4m3
+            if best is None or t < best[0]:
+                best = (t, bm, bk, nw)
+        print(f"prologue {name}: best {best[0] * 1e3:.0f} us at BM={best[1]} BK={best[2]} warps={best[3]} "
+              f"({nbytes / best[0] / 1e9:.2f} TB/s of one pass)")
+
+
+def sweep_gemm() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ad = torch.sort(torch.randint(0, 8, (T,), device="cuda", generator=g).int()).values
+    for N, K in [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]:
+        x8, xs = quantize_rows(torch.randn(T, K, device="cuda", generator=g).bfloat16())
+        w8, ws = quantize_rows(torch.randn(N, K, device="cuda", generator=g).bfloat16())
+        R = 48
+        B = (torch.randn(8, N, R, device="cuda", generator=g) * 0.01).bfloat16()
+        s = torch.randn(T, R, device="cuda", generator=g)
+        res = torch.randn(T, N, device="cuda", generator=g).bfloat16() if N == 3072 else None
+        bare = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=xs[:, None], scale_b=ws[None, :],
+                                              out_dtype=torch.bfloat16))
+        best = None
+        for bm, bn, nw, ns, gm in [(128, 256, 8, 3, 8), (128, 256, 8, 4, 8), (128, 128, 8, 4, 8), (128, 128, 4, 4, 8),
+                                   (256, 128, 8, 3, 8), (128, 256, 8, 3, 16), (64, 256, 4, 4, 8)]:
+            cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, GROUP_M=gm)
+            t = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, config=cfg))
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        fl = 2 * T * N * K
+        print(f"gemm N={N} K={K}: best {best[0] * 1e3:.0f} us ({fl / best[0] / 1e9:.0f} TF/s) {best[1]}; "
+              f"_scaled_mm {bare * 1e3:.0f} us ({fl / bare / 1e9:.0f} TF/s)")
+
+
+def sweep_attention() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = lengths(256)
+    lens = lens[: int(np.searchsorted(np.cumsum(lens), T))]
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    cu = cu.cuda()
+    shape = AttnShape(24, 8, 128)
+    qkv = torch.randn(int(cu[-1]), 40 * 128, device="cuda", generator=g).bfloat16()
+    ang = torch.outer(torch.arange(4096, dtype=torch.float64), 1.0 / 5e5 ** (torch.arange(0, 128, 2) / 128))
+    cos, sin = ang.cos().float().cuda(), ang.sin().float().cuda()
+    best = None
+    for bm, bn, nw, ns in itertools.product([64, 128], [32, 64], [4, 8], [2, 3]):
+        cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns)
+        t = timed(lambda: varlen_attention(qkv, cu, cos, sin, shape, 128 ** -0.5, max_seqlen=int(max(lens)),
+                                           config=cfg))
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    fl = 4 * sum(int(n) * (int(n) + 1) / 2 for n in lens) * 24 * 128
+    print(f"attention {int(cu[-1])} tokens, {len(lens)} seqs: best {best[0] * 1e3:.0f} us "
+          f"({fl / best[0] / 1e9:.0f} TF/s) {best[1]}")
+
+
+if __name__ == "__main__":
+    sweep_prologue()
+    sweep_gemm()
+    sweep_attention()
