@@ -56,8 +56,10 @@ class Policy:
             raise PolicyError(f"{self.path}/policy.json: calibration a, b must be finite, got {self.a}, {self.b}")
 
     def calibrate_np(self, f: np.ndarray) -> np.ndarray:
-        """Platt: p = sigmoid(a*f + b), in float64."""
-        return 1.0 / (1.0 + np.exp(-(self.a * f.astype(np.float64) + self.b)))
+        """Platt: p = sigmoid(a*f + b), in float64, one element at a time: numpy's vectorized exp may take
+        another path for an array's tail, and p must not depend on where its row sits."""
+        z = (self.a * np.asarray(f, dtype=np.float64) + self.b).tolist()
+        return np.array([1.0 / (1.0 + math.exp(-v)) if v > -700 else 0.0 for v in z], dtype=np.float64)
 
 
 def load_policy(path: str | Path) -> Policy:
