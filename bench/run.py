@@ -23,31 +23,39 @@ from policyscan.kernels import triton_ops  # noqa: E402
 FP8_TFLOPS = (1238.0, 1462.0)  # measured torch._scaled_mm rates on this H200 (DESIGN.md)
 
 
-def engine_pass(dec, seqs, ads, budget: int) -> np.ndarray:
-    lengths = np.array([len(s) for s in seqs])
+def engine_pass(dec, seqs, ads, budget: int, prefixes=None, cache: bool = True) -> np.ndarray:
+    """Token ids in, f out, as Engine._run does it; with prefixes, cached (or prepended when cache=False)."""
     ads_np = np.array(ads)
+    prefix = None
+    if prefixes and any(prefixes):
+        if cache:
+            with torch.inference_mode():
+                prefix = dec.prefill_prefixes(prefixes)  # once per run, counted in the time
+        else:
+            seqs = [prefixes[a] + s for s, a in zip(seqs, ads)]
+    lengths = np.array([len(s) for s in seqs])
     outs = []
     with torch.inference_mode():
         for plan in plan_batches(lengths, ads_np, budget):
             b = pack([seqs[i] for i in plan.items], ads_np[plan.items].tolist())
-            outs.append((plan.items, dec.forward(b.to("cuda"))))
+            outs.append((plan.items, dec.forward(b.to("cuda"), prefix)))
         f = np.empty(len(seqs), dtype=np.float32)
         for items, v in outs:
             f[items] = v.float().cpu().numpy()
     return f
 
 
-def bench_engine(name: str, budget: int, fp8: bool = True) -> dict:
+def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True) -> dict:
     w = WORKLOADS[name]
     cfg = shape(w.model)
     dec = random_decoder(cfg, w.adapters, 16, triton_ops, fp8=fp8)
-    seqs, ads = prompts(w, cfg.vocab)
-    tokens = sum(map(len, seqs))
-    engine_pass(dec, seqs[: 4 * w.adapters], ads[: 4 * w.adapters], budget)  # compile
-    engine_pass(dec, seqs, ads, budget)  # warm every batch size once
+    seqs, ads, prefixes = prompts(w, cfg.vocab)
+    tokens = sum(map(len, seqs)) + sum(len(prefixes[a]) for a in ads)  # all prompt tokens, cached or not
+    engine_pass(dec, seqs[: 4 * w.adapters], ads[: 4 * w.adapters], budget, prefixes, cache)  # compile
+    engine_pass(dec, seqs, ads, budget, prefixes, cache)  # warm every batch size once
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    engine_pass(dec, seqs, ads, budget)
+    engine_pass(dec, seqs, ads, budget, prefixes, cache)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     params = cfg.layers * sum(o * i for o, i in (cfg.proj_shape(p) for p in
@@ -55,7 +63,8 @@ def bench_engine(name: str, budget: int, fp8: bool = True) -> dict:
     ceiling = tokens / (2 * params * tokens / (FP8_TFLOPS[1] * 1e12))
     del dec
     torch.cuda.empty_cache()
-    return {"workload": name, "tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "fp8": fp8,
+    return {"workload": name + ("" if cache or not w.prefix else " no-cache"), "tokens": tokens, "seconds": dt,
+            "tok_s": tokens / dt, "fp8": fp8,
             "ceiling_tok_s": ceiling, "of_ceiling": tokens / dt / ceiling}
 
 
@@ -66,10 +75,10 @@ def profile_engine(name: str, budget: int) -> str:
     w = WORKLOADS[name]
     cfg = shape(w.model)
     dec = random_decoder(cfg, w.adapters, 16, triton_ops)
-    seqs, ads = prompts(w, cfg.vocab)
-    engine_pass(dec, seqs, ads, budget)
+    seqs, ads, prefixes = prompts(w, cfg.vocab)
+    engine_pass(dec, seqs, ads, budget, prefixes)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine_pass(dec, seqs, ads, budget)
+        engine_pass(dec, seqs, ads, budget, prefixes)
         torch.cuda.synchronize()
     del dec
     torch.cuda.empty_cache()
@@ -101,9 +110,9 @@ def bench_hf(name: str, bs: int = 32) -> dict:
     for a in range(1, w.adapters):
         model.add_adapter(f"a{a}", lcfg)
     model.eval()
-    seqs, ads = prompts(w, cfg.vocab)
-    tokens = sum(map(len, seqs))
-    convs = [s for s, a in zip(seqs, ads) if a == 0] if not w.prefix else None
+    seqs, ads, prefixes = prompts(w, cfg.vocab)
+    tokens = sum(map(len, seqs)) + sum(len(prefixes[a]) for a in ads)
+    convs = [s for s, a in zip(seqs, ads) if a == 0]
     by_len = sorted(range(len(convs)), key=lambda i: len(convs[i]))
 
     def run(limit=None):
@@ -111,7 +120,7 @@ def bench_hf(name: str, bs: int = 32) -> dict:
             for a in range(w.adapters if limit is None else 1):
                 model.set_adapter(f"a{a}")
                 for i in range(0, len(by_len) if limit is None else limit, bs):
-                    chunk = [convs[j] for j in by_len[i:i + bs]]
+                    chunk = [prefixes[a] + convs[j] for j in by_len[i:i + bs]]
                     n = max(map(len, chunk))
                     ids = torch.zeros(len(chunk), n, dtype=torch.long)
                     mask = torch.zeros(len(chunk), n, dtype=torch.long)
@@ -187,6 +196,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=16384)
     ap.add_argument("--bf16", action="store_true", help="also run W1 with bf16 weights")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-cache", action="store_true", help="also run W2 with prefixes recomputed")
     ap.add_argument("--profile", default=None, help="print per-kernel times for this workload")
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -197,6 +207,8 @@ def main() -> None:
     res["engine"] = [bench_engine(w, args.budget) for w in filter(None, args.workloads.split(","))]
     if args.bf16:
         res["engine"].append(bench_engine("W1", args.budget, fp8=False))
+    if args.no_cache:
+        res["engine"].append(bench_engine("W2", args.budget, cache=False))
     res["baseline"] = [bench_hf(w) for w in filter(None, args.baseline.split(","))]
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -205,11 +217,13 @@ def main() -> None:
               f"({row['fused_tflops']:.0f} TF/s), scaled_mm {row['scaled_mm_ms']:.3f}, separate {row['separate_ms']:.3f}"
               f" -> {row['speedup_vs_separate']:.2f}x vs separate, {row['fused_over_scaled']:.2f}x of bare")
     base = {b["baseline"]: b for b in res["baseline"]}
+    w1 = next((e for e in res["engine"] if e["workload"] == "W1" and e["fp8"]), None)
     for e in res["engine"]:
         b = base.get(e["workload"])
         ratio = f", {e['tok_s'] / b['tok_s']:.2f}x HF ({b['tok_s']:,.0f} tok/s, {b['seconds']:.1f} s)" if b else ""
+        rel = f", {e['tok_s'] / w1['tok_s']:.2f}x W1" if w1 and e is not w1 else ""
         print(f"{e['workload']}{'' if e['fp8'] else ' bf16'}: {e['tokens']:,} tokens in {e['seconds']:.2f} s = "
-              f"{e['tok_s']:,.0f} tok/s ({e['of_ceiling']:.0%} of FP8 ceiling){ratio}")
+              f"{e['tok_s']:,.0f} tok/s ({e['of_ceiling']:.0%} of FP8 ceiling){ratio}{rel}")
 
 
 if __name__ == "__main__":

@@ -45,17 +45,18 @@ def lengths(n: int, seed: int = 0) -> np.ndarray:
     return np.clip(np.round(rng.lognormal(np.log(250), 0.8, n)), 16, 2048).astype(np.int64)
 
 
-def prompts(w: Workload, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """Every conversation under every adapter: (token ids, adapter index) pairs."""
+def prompts(w: Workload, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Every conversation under every adapter: (token ids without the policy prefix, adapter index) pairs,
+    and each adapter's prefix (empty without one)."""
     rng = np.random.default_rng(seed + 1)
     convs = [rng.integers(0, vocab, int(n)).tolist() for n in lengths(w.conversations, seed)]
     prefixes = [rng.integers(0, vocab, w.prefix).tolist() for _ in range(w.adapters)]
     seqs, ads = [], []
     for c in convs:
         for a in range(w.adapters):
-            seqs.append(prefixes[a] + c)
+            seqs.append(c)
             ads.append(a)
-    return seqs, ads
+    return seqs, ads, prefixes
 
 
 def random_decoder(cfg: ModelConfig, n_adapters: int, rank: int, ops, device="cuda", fp8: bool = True,

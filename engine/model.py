@@ -7,9 +7,9 @@ from types import ModuleType
 
 import torch
 
-from .batch import PackedBatch
+from .batch import PackedBatch, pack
 from .config import ModelConfig, inv_freq
-from ..kernels.reference import AttnShape
+from ..kernels.reference import AttnShape, PrefixKV
 from .layers import DenseLoraLinear
 
 
@@ -50,24 +50,62 @@ class Decoder:
                                 ang.sin().float().contiguous().to(self.device))
         return self._rope_cache[1], self._rope_cache[2]
 
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """f [B] (fp32): logit(Violation) - logit(Compliant) at each sequence's last token."""
+    def forward(self, batch: PackedBatch, prefix: PrefixCache | None = None,
+                capture: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """f [B] (fp32): logit(Violation) - logit(Compliant) at each sequence's last token.
+
+        prefix: cached per-policy prefixes every sequence attends to first (its tokens then start after it).
+        capture: receives each layer's qkv rows (how a prefix cache is made)."""
         cfg, ops = self.cfg, self.ops
         if self.head is None:
             raise RuntimeError("no policies attached: call attach_policies first")
-        cos, sin = self.rope_tables(batch.max_seqlen)
+        seq_pre = None
+        if prefix is not None:
+            ad = batch.seq_adapter.long()
+            seq_pre = (prefix.start[ad], prefix.length[ad])
+        cos, sin = self.rope_tables(batch.max_seqlen + (prefix.longest if prefix is not None else 0))
         shape = AttnShape(cfg.heads, cfg.kv_heads, cfg.head_dim)
         h = self.embed[batch.ids]
         tok_ad, last = batch.token_adapter, batch.last_idx
         for i, layer in enumerate(self.layers):
             # The last layer only needs each sequence's last token past the K/V projections: exact pruning.
             last_only = i == len(self.layers) - 1
-            attn = ops.varlen_attention(layer.qkv(h, tok_ad), batch.cu_seqlens, cos, sin, shape,
+            qkv = layer.qkv(h, tok_ad)
+            if capture is not None:
+                capture.append(qkv)
+            pkv = PrefixKV(prefix.layers[i], *seq_pre) if prefix is not None else None
+            attn = ops.varlen_attention(qkv, batch.cu_seqlens, cos, sin, shape,
                                         cfg.head_dim ** -0.5, cfg.sliding_window, layer.q_norm, layer.k_norm,
-                                        cfg.rms_eps, last_only=last_only, max_seqlen=batch.max_seqlen)
+                                        cfg.rms_eps, last_only=last_only, max_seqlen=batch.max_seqlen,
+                                        prefix=pkv)
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
             h = layer.o(attn, tok_ad, residual=h)
             h = layer.down(layer.gate_up(h, tok_ad), tok_ad, residual=h)
         hn = ops.rmsnorm(h, self.norm, cfg.rms_eps).float()
         return (hn * self.head[batch.seq_adapter.long()]).sum(-1)
+
+    def prefill_prefixes(self, prefixes: list[list[int]]) -> PrefixCache | None:
+        """Run each policy's fixed prompt head ([BOS] + prefix) once with its adapter and keep every layer's
+        qkv rows; None when no policy has one."""
+        present = [i for i, ids in enumerate(prefixes) if ids]
+        if not present:
+            return None
+        batch = pack([prefixes[i] for i in present], present).to(self.device)
+        layers: list[torch.Tensor] = []
+        self.forward(batch, capture=layers)
+        start = torch.zeros(len(prefixes), dtype=torch.int32)
+        length = torch.zeros(len(prefixes), dtype=torch.int32)
+        start[present] = batch.cu_seqlens[:-1].cpu()
+        length[present] = torch.tensor([len(prefixes[i]) for i in present], dtype=torch.int32)
+        return PrefixCache(layers, start.to(self.device), length.to(self.device), int(length.max()))
+
+
+@dataclass(frozen=True)
+class PrefixCache:
+    """Every layer's qkv rows for the policies' prompt heads; policy i owns rows start[i] : start[i]+length[i]."""
+
+    layers: list[torch.Tensor]
+    start: torch.Tensor   # [n_policies] int32
+    length: torch.Tensor  # [n_policies] int32
+    longest: int

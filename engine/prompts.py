@@ -91,6 +91,16 @@ class PromptBuilder:
         """Conversation tokens that fit."""
         return self.max_length - len(self.bos) - len(self.prefix) - len(self.suffix)
 
+    @property
+    def head(self) -> list[int]:
+        """The fixed start of every prompt of this policy: what the prefix cache holds."""
+        return [*self.bos, *self.prefix]
+
+    def tail(self, conversation) -> list[int]:
+        """The prompt after its head: the (left-truncated) conversation and the suffix."""
+        conv = conversation[len(conversation) - self.budget:] if len(conversation) > self.budget else conversation
+        return [*list(conv), *self.suffix]
+
     def build(self, conversation) -> tuple[list[int], bool]:
         """(ids, truncated): the latest conversation tokens are kept when it is too long."""
         cut = len(conversation) > self.budget

@@ -33,6 +33,7 @@ class EngineSettings:
     precision: str = "auto"
     batch_tokens: int = 16384
     max_length: int = 2048
+    prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -76,6 +77,10 @@ class Engine:
         self.decoder = load_decoder(self.checkpoint, ops, self.device, dtype, fp8=self.precision == "fp8",
                                     w8a8=gpu and self.precision == "fp8")
         attach_policies(self.decoder, policies, label_ids)
+        self._prefix = None
+        if settings.prefix_cache:
+            with torch.inference_mode():
+                self._prefix = self.decoder.prefill_prefixes([b.head for b in self.builders])
 
     def score(self, prompts: list[list[int]], adapters: list[int] | np.ndarray) -> np.ndarray:
         """f (float32) for each prompt, in the order given; prompts are token-id lists, adapters index policies."""
@@ -92,17 +97,22 @@ class Engine:
         lengths = (fixed[None, :] + np.minimum(conv_len[:, None], budget[None, :])).reshape(-1)
         truncated = int((conv_len[:, None] > budget[None, :]).sum())
         adapters = np.tile(np.arange(k), n)
-        f = self._run(lengths, adapters, lambda i, a: self.builders[a].build(convs[i // k])[0])
+        if self._prefix is None:
+            f = self._run(lengths, adapters, lambda i, a: self.builders[a].build(convs[i // k])[0])
+        else:  # the heads are cached: batches hold only each prompt's tail
+            heads = np.array([len(b.head) for b in self.builders], dtype=np.int64)
+            f = self._run(lengths - heads[adapters], adapters, lambda i, a: self.builders[a].tail(convs[i // k]),
+                          self._prefix)
         return f.reshape(n, k), int(lengths.sum()), truncated
 
-    def _run(self, lengths: np.ndarray, adapters: np.ndarray, prompt) -> np.ndarray:
+    def _run(self, lengths: np.ndarray, adapters: np.ndarray, prompt, prefix=None) -> np.ndarray:
         f = np.empty(len(lengths), dtype=np.float32)
         pending = []
         with torch.inference_mode():
             for plan in plan_batches(lengths, adapters, self.settings.batch_tokens):
                 batch = pack([prompt(i, adapters[i]) for i in plan.items.tolist()], adapters[plan.items].tolist())
                 # no copy back per batch: the host packs the next batch while the GPU runs this one
-                pending.append((plan.items, self.decoder.forward(batch.to(self.device))))
+                pending.append((plan.items, self.decoder.forward(batch.to(self.device), prefix)))
             for items, out in pending:
                 f[items] = out.cpu().numpy()
         return f

@@ -15,17 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import AttnShape
+from .reference import AttnShape, PrefixKV
 
 
 @triton.jit
-def _load_rot(ptr, rows, pos, ok, stride_t, col0, cos_ptr, sin_ptr, nw_ptr, eps,
+def _load_rot(row_ptrs, pos, ok, col0, cos_ptr, sin_ptr, nw_ptr, eps,
               HALF: tl.constexpr, BH: tl.constexpr, NORM: tl.constexpr):
-    """Rows of one head as two halves [R, BH], per-head RMSNorm'd and rotated, rounded to the input dtype."""
+    """One head of the given rows as two halves [R, BH], per-head RMSNorm'd and rotated to `pos`, rounded
+    to the input dtype."""
     rh = tl.arange(0, BH)
     h_ok = rh < HALF
     m = ok[:, None] & h_ok[None, :]
-    base = ptr + rows[:, None] * stride_t + col0 + rh[None, :]
+    base = row_ptrs[:, None] + col0 + rh[None, :]
     x1 = tl.load(base, mask=m, other=0.0)
     x2 = tl.load(base + HALF, mask=m, other=0.0)
     dt = x1.dtype
@@ -43,25 +44,33 @@ def _load_rot(ptr, rows, pos, ok, stride_t, col0, cos_ptr, sin_ptr, nw_ptr, eps,
 
 @triton.jit
 def _attn_kernel(
-    qkv_ptr, o_ptr, cu_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+    qkv_ptr, o_ptr, cu_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, pre_ptr, pre_start_ptr, pre_len_ptr,
     scale, eps, window, KV_GROUP,
-    stride_t, stride_ot, K_COL, V_COL,
-    HALF: tl.constexpr, LAST_ONLY: tl.constexpr, NORM: tl.constexpr,
+    stride_t, stride_ot, stride_pre, K_COL, V_COL,
+    HALF: tl.constexpr, LAST_ONLY: tl.constexpr, NORM: tl.constexpr, HAS_PREFIX: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, PREC: tl.constexpr,
 ):
     mblk, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_ptr + b)
-    n_keys = tl.load(cu_ptr + b + 1) - start
-    n_q = 1 if LAST_ONLY else n_keys
+    n_own = tl.load(cu_ptr + b + 1) - start
+    n_q = 1 if LAST_ONLY else n_own
     if mblk * BM >= n_q:
         return
+    P = 0
+    p0 = 0
+    if HAS_PREFIX:
+        P = tl.load(pre_len_ptr + b)
+        p0 = tl.load(pre_start_ptr + b)
+    # Keys are enumerated as one sequence, cached prefix first, in the same BN blocks as when the prefix is
+    # computed inline: the reduction order, and so every bit of the result, is the same either way.
+    n_keys = P + n_own
     kvh = h // KV_GROUP
     D = 2 * HALF
     rm = mblk * BM + tl.arange(0, BM)
     m_ok = rm < n_q
-    qpos = n_keys - n_q + rm  # position of each query inside its sequence
-    q1, q2 = _load_rot(qkv_ptr, start + qpos, qpos, m_ok, stride_t, h * D, cos_ptr, sin_ptr, qn_ptr, eps,
-                       HALF, BH, NORM)
+    qpos = n_keys - n_q + rm  # position of each query in the sequence, prefix included
+    q1, q2 = _load_rot(qkv_ptr + (start + qpos - P) * stride_t, qpos, m_ok, h * D, cos_ptr, sin_ptr, qn_ptr,
+                       eps, HALF, BH, NORM)
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
     rh = tl.arange(0, BH)
@@ -76,8 +85,10 @@ def _attn_kernel(
     for n0 in range(lo, hi, BN):
         rn = n0 + tl.arange(0, BN)
         n_ok = rn < n_keys
-        k1, k2 = _load_rot(qkv_ptr, start + rn, rn, n_ok, stride_t, K_COL + kvh * D, cos_ptr, sin_ptr, kn_ptr,
-                           eps, HALF, BH, NORM)
+        rows = qkv_ptr + (start + rn - P) * stride_t
+        if HAS_PREFIX:
+            rows = tl.where(rn < P, pre_ptr + (p0 + rn) * stride_pre, rows)
+        k1, k2 = _load_rot(rows, rn, n_ok, K_COL + kvh * D, cos_ptr, sin_ptr, kn_ptr, eps, HALF, BH, NORM)
         s = tl.dot(q1, tl.trans(k1), input_precision=PREC)
         s = tl.dot(q2, tl.trans(k2), s, input_precision=PREC) * qk_scale
         ok = (rn[None, :] <= qpos[:, None]) & n_ok[None, :]
@@ -89,7 +100,7 @@ def _attn_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vb = qkv_ptr + (start + rn)[:, None] * stride_t + V_COL + kvh * D + rh[None, :]
+        vb = rows[:, None] + V_COL + kvh * D + rh[None, :]
         vm = n_ok[:, None] & h_ok[None, :]
         v1 = tl.load(vb, mask=vm, other=0.0)
         v2 = tl.load(vb + HALF, mask=vm, other=0.0)
@@ -109,7 +120,8 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Ten
                      shape: AttnShape, scale: float, window: int | None = None,
                      q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
                      last_only: bool = False, max_seqlen: int | None = None,
-                     out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                     prefix: PrefixKV | None = None, out: torch.Tensor | None = None,
+                     config: dict | None = None) -> torch.Tensor:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; cos/sin fp32 [P, D/2]
     covering every position; `out` [Tq, H D] is written in place when given; `config` (BM, BN, num_warps,
     num_stages) overrides the tile choice (bench/sweep.py)."""
@@ -126,8 +138,14 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Ten
         raise ValueError("cu_seqlens must be int32 [B+1]")
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if B else 0
-    if max_seqlen > cos.shape[0]:
-        raise ValueError(f"rotary table covers {cos.shape[0]} positions, sequences reach {max_seqlen}")
+    if prefix is not None:
+        if prefix.rows.shape[1] != qkv.shape[1] or prefix.rows.dtype != qkv.dtype or prefix.rows.stride(1) != 1:
+            raise ValueError(f"prefix rows {tuple(prefix.rows.shape)} {prefix.rows.dtype} do not match qkv")
+        if prefix.start.dtype != torch.int32 or prefix.length.dtype != torch.int32 or prefix.start.numel() != B:
+            raise ValueError("prefix start/length must be int32 [B]")
+    reach = max_seqlen + (int(prefix.length.max()) if prefix is not None and B else 0)
+    if reach > cos.shape[0]:
+        raise ValueError(f"rotary table covers {cos.shape[0]} positions, sequences reach {reach}")
     rows = B if last_only else T
     if out is None:
         out = torch.empty((rows, H * D), dtype=qkv.dtype, device=qkv.device)
@@ -143,8 +161,11 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Ten
     grid = (triton.cdiv(1 if last_only else max_seqlen, BM), B, H)
     _attn_kernel[grid](
         qkv, out, cu_seqlens, cos, sin, q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos,
-        scale, eps, window or 0, H // Hkv, qkv.stride(0), out.stride(0), H * D, (H + Hkv) * D,
-        HALF=D // 2, LAST_ONLY=last_only, NORM=q_norm is not None, BM=BM, BN=BN,
+        prefix.rows if prefix is not None else qkv, prefix.start if prefix is not None else cu_seqlens,
+        prefix.length if prefix is not None else cu_seqlens,
+        scale, eps, window or 0, H // Hkv, qkv.stride(0), out.stride(0),
+        prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D,
+        HALF=D // 2, LAST_ONLY=last_only, NORM=q_norm is not None, HAS_PREFIX=prefix is not None, BM=BM, BN=BN,
         BH=max(16, triton.next_power_of_2(D // 2)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

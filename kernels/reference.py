@@ -148,47 +148,73 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class PrefixKV:
+    """One layer's cached qkv rows of the per-policy prompt prefixes, and which rows each sequence reads.
+
+    Sequence b attends first to rows[start[b] : start[b] + length[b]] (positions 0 .. length-1), then to its
+    own tokens (positions length[b] ...). length 0: no prefix. Only the k and v parts of the rows are read."""
+
+    rows: torch.Tensor    # [P_total, (H + 2 Hkv) D]
+    start: torch.Tensor   # [B] int32
+    length: torch.Tensor  # [B] int32
+
+
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      shape: AttnShape, scale: float, window: int | None = None,
                      q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-                     last_only: bool = False, max_seqlen: int | None = None) -> torch.Tensor:
+                     last_only: bool = False, max_seqlen: int | None = None,
+                     prefix: PrefixKV | None = None) -> torch.Tensor:
     """Semantics: q, k, v = split(qkv); q, k = rmsnorm per head (if q_norm/k_norm), then rotary embedding at
-    each token's position inside its sequence (cos/sin tables [P, D/2]); then causal softmax(q k^T * scale) v
-    within each packed sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded to qkv.dtype.
+    each token's position (cos/sin tables [P, D/2]); then causal softmax(q k^T * scale) v within each packed
+    sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded to qkv.dtype. With `prefix`, a sequence's
+    keys are its cached prefix rows followed by its own tokens, whose positions start after the prefix.
     Returns [Tq, H * D]; with last_only, only each sequence's last token queries (Tq = sequences).
-    `window` limits each query to its last `window` keys. max_seqlen is a hint the Triton twin uses."""
+    `window` limits each query to its last `window` keys. max_seqlen is a hint the Triton twin uses.
+
+    Every product is row-blocked (rows_matmul, row_blocks), so a query's result depends only on its own
+    sequence: the same with or without the prefix cache, in any batch."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
-    T = qkv.shape[0]
-    q = qkv[:, :H * D].reshape(T, H, D)
-    k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
-    v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
-    if q_norm is not None:
-        q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
+    dt = _acc(qkv)
+
+    def split(rows: torch.Tensor):
+        n = rows.shape[0]
+        q = rows[:, :H * D].reshape(n, H, D)
+        k = rows[:, H * D:(H + Hkv) * D].reshape(n, Hkv, D)
+        v = rows[:, (H + Hkv) * D:].reshape(n, Hkv, D)
+        if q_norm is not None:
+            q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
+        return q, k, v
+
     bounds = cu_seqlens.tolist()
-    lens = torch.tensor([e - s for s, e in zip(bounds[:-1], bounds[1:])], device=qkv.device)
-    pos = torch.arange(T, device=qkv.device) - torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
-    k = rope(k, cos[pos], sin[pos])
-    if last_only:
-        last = cu_seqlens[1:].long() - 1
-        q = rope(q[last], cos[pos[last]], sin[pos[last]])
-    else:
-        q = rope(q, cos[pos], sin[pos])
-    out = torch.empty(q.shape, dtype=qkv.dtype, device=qkv.device)
+    out = torch.empty(len(bounds) - 1 if last_only else qkv.shape[0], H * D, dtype=qkv.dtype, device=qkv.device)
     for i in range(len(bounds) - 1):  # per sequence: sequences never see each other
         s, e = bounds[i], bounds[i + 1]
-        dt = _acc(qkv)
-        kk = k[s:e].to(dt).transpose(0, 1).repeat_interleave(H // Hkv, 0)
-        vv = v[s:e].to(dt).transpose(0, 1).repeat_interleave(H // Hkv, 0)
-        qq = (q[i:i + 1] if last_only else q[s:e]).to(dt).transpose(0, 1)
-        n, m = qq.shape[1], e - s
-        qpos = torch.arange(m - n, m, device=qkv.device)[:, None]
-        kpos = torch.arange(m, device=qkv.device)[None, :]
-        mask = kpos <= qpos
-        if window is not None:
-            mask &= kpos > qpos - window
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
+        q, k, v = split(qkv[s:e])
+        P = int(prefix.length[i]) if prefix is not None else 0
+        if P:
+            p0 = int(prefix.start[i])
+            _, pk, pv = split(prefix.rows[p0:p0 + P])
+            k, v = torch.cat([pk, k]), torch.cat([pv, v])
+        m = P + e - s
+        kpos = torch.arange(m, device=qkv.device)
+        k = rope(k, cos[kpos], sin[kpos])
         if last_only:
-            out[i] = o[:, 0].to(qkv.dtype)
+            q = q[-1:]
+        qpos = kpos[m - q.shape[0]:]
+        q = rope(q, cos[qpos], sin[qpos])
+        mask = kpos[None, :] <= qpos[:, None]
+        if window is not None:
+            mask &= kpos[None, :] > qpos[:, None] - window
+        heads = []
+        for h in range(H):
+            kv = h // (H // Hkv)
+            scores = rows_matmul(q[:, h].to(dt), k[:, kv].to(dt)) * scale
+            probs = row_blocks(lambda x: torch.softmax(x, dim=-1), scores.masked_fill(~mask, float("-inf")))
+            heads.append(rows_matmul(probs, v[:, kv].to(dt).T))
+        o = torch.stack(heads, dim=1).reshape(q.shape[0], H * D).to(qkv.dtype)
+        if last_only:
+            out[i] = o[0]
         else:
-            out[s:e] = o.transpose(0, 1).to(qkv.dtype)
-    return out.reshape(out.shape[0], H * D)
+            out[s:e] = o
+    return out

@@ -69,3 +69,31 @@ def test_needle_alone_equals_needle_in_any_batch(bundle, device, dtype, fp8, nee
         pos = next(i for i, t in enumerate(items) if t[0] is needle)
         f = dec.forward(pack([s for s, _ in items], [a for _, a in items]).to(device))
     assert torch.equal(f[pos], alone), (f[pos].item(), alone.item())
+
+
+@pytest.mark.parametrize("device,precision", [pytest.param("cpu", "fp32", id="cpu-fp32"),
+                                              pytest.param("cpu", "bf16", id="cpu-bf16"),
+                                              pytest.param("cuda", "bf16", id="gpu-bf16", marks=pytest.mark.gpu),
+                                              pytest.param("cuda", "fp8", id="gpu-fp8", marks=pytest.mark.gpu)])
+def test_prefix_cache_is_bitwise_recompute(device, precision):
+    """The sample policies' templated prefixes, cached once per run, give bitwise the f of recomputing them."""
+    from pathlib import Path
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from policyscan.engine.policy import load_policies
+    from policyscan.engine.prompts import render_messages
+    from policyscan.engine.runner import Engine, EngineSettings
+
+    sample = Path(__file__).resolve().parent.parent / "sample_data"
+    pols = load_policies([sample / "policies"])
+    cached = Engine(sample / "model", pols, EngineSettings(device, precision, batch_tokens=4096))
+    inline = Engine(sample / "model", pols, EngineSettings(device, precision, batch_tokens=4096, prefix_cache=False))
+    assert cached._prefix is not None and inline._prefix is None
+    rows = pq.read_table(sample / "conversations.parquet").slice(0, 60).to_pylist()
+    texts = [render_messages(r["messages"], None, cached.encoder.tokenizer_config) for r in rows]
+    convs = [np.asarray(x) for x in cached.encoder.encode_batch(texts)]
+    fa, ta, _ = cached.score_conversations(convs)
+    fb, tb, _ = inline.score_conversations(convs)
+    assert ta == tb and np.array_equal(fa, fb)

@@ -9,7 +9,7 @@ import torch
 
 from kernel_cases import adapters_for, check, gemm_case, lora_stack, packed, up64
 from policyscan.kernels import reference
-from policyscan.kernels.reference import AttnShape
+from policyscan.kernels.reference import AttnShape, PrefixKV
 
 triton = pytest.importorskip("triton")
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
@@ -124,3 +124,39 @@ def test_lora_gemm_rows_do_not_depend_on_batch(fp8):
         part = {k: (v[lo:hi] if k in ("x", "x_scale", "s", "token_adapter", "residual") and v is not None else v)
                 for k, v in case.items()}
         assert torch.equal(lora_gemm(**part, out_dtype=torch.bfloat16), full[lo:hi]), (lo, hi)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("last_only", [False, True])
+def test_attention_prefix_cache_is_bitwise_recompute(device, last_only):
+    """Sequences attending to cached prefix rows give bitwise what the same sequences computed with their
+    prefix inline give (kernel and twin), and the kernel stays within the twin's error of fp64."""
+    g = gen()
+    if device == "cpu":
+        shape, dtype, prefixes, own = AttnShape(6, 2, 20), torch.float32, [0, 5, 19], [1, 7, 30, 12, 4]
+    else:
+        shape, dtype, prefixes, own = AttnShape(24, 8, 128), torch.bfloat16, [0, 77, 256], [1, 300, 64, 1000, 5]
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    width = (H + 2 * Hkv) * D
+    pre_rows = [torch.randn(n, width, generator=g).to(dtype) for n in prefixes]
+    seq_pre = [i % len(prefixes) for i in range(len(own))]
+    own_rows = [torch.randn(n, width, generator=g).to(dtype) for n in own]
+    starts = torch.tensor([0] + prefixes).cumsum(0)[:-1]
+    prefix = PrefixKV(torch.cat(pre_rows).to(device), starts[seq_pre].int().to(device),
+                      torch.tensor([prefixes[j] for j in seq_pre]).int().to(device))
+    qkv = torch.cat(own_rows).to(device)
+    full = torch.cat([torch.cat([pre_rows[j], r]) for j, r in zip(seq_pre, own_rows)]).to(device)
+    full_len = [prefixes[j] + n for j, n in zip(seq_pre, own)]
+    ang = torch.outer(torch.arange(max(full_len), dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
+    cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
+    common = (cos, sin, shape, D ** -0.5, None, None, None, 1e-6, last_only)
+    own_idx = torch.cat([torch.arange(s + p, s + p + n) for s, p, n in
+                         zip(torch.tensor([0] + full_len).cumsum(0).tolist(), [prefixes[j] for j in seq_pre], own)])
+    for fn in (reference.varlen_attention, varlen_attention):
+        cached = fn(qkv, packed(own, device), *common, max(own), prefix=prefix)
+        inline = fn(full, packed(full_len, device), *common, max(full_len))
+        assert torch.equal(cached, inline if last_only else inline[own_idx.to(device)]), fn.__module__
+    same = reference.varlen_attention(qkv, packed(own, device), *common, max(own), prefix=prefix)
+    exact = reference.varlen_attention(qkv.double(), packed(own, device), *common, max(own),
+                                       prefix=PrefixKV(prefix.rows.double(), prefix.start, prefix.length))
+    check(varlen_attention(qkv, packed(own, device), *common, max(own), prefix=prefix), same, exact, "prefix")
