@@ -121,13 +121,15 @@ def _encoded(engine: Engine, inputs: list[Path], spec: ReadSpec) -> Iterator[tup
     def render(messages: list) -> str:
         return render_messages(messages, None, cfg)
 
+    # No prompt uses more of a conversation than the largest budget; one token more keeps "was it cut" known.
+    keep = max(b.budget for b in engine.builders) + 1
     for path in inputs:
         done = 0
         try:
             for chunk in read_chunks(path, spec, render):
                 done += len(chunk)
                 texts = [t for t in chunk.texts if t is not None]
-                yield chunk, [np.asarray(ids, dtype=np.int64) for ids in engine.encoder.encode_batch(texts)]
+                yield chunk, [np.asarray(ids[-keep:], dtype=np.int32) for ids in engine.encoder.encode_batch(texts)]
         except InputError as e:
             yield FileFailure(path, e, done)
 

@@ -40,9 +40,10 @@ class ScoreWriter:
             return
         if self._pq is None:
             self._pq = pq.ParquetWriter(self.tmp, table.schema)
-        elif table.schema != self._pq.schema_arrow:
+            self._schema = table.schema
+        elif table.schema != self._schema:
             try:
-                table = table.cast(self._pq.schema_arrow)
+                table = table.cast(self._schema)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
                 raise InputError(f"column types differ between inputs written to one output ({e}); "
                                  "write each input to its own output with -o DIR") from e

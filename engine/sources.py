@@ -28,6 +28,7 @@ class ReadSpec:
     id_column: str | None = None
     keep: tuple[str, ...] = ()
     chunk_rows: int = 4096
+    chunk_chars: int = 64 << 20  # a JSONL chunk also ends at this much text: huge rows keep memory bounded
     max_chars: int = 1 << 20  # a conversation longer than this keeps its tail (tokens are cut from the left anyway)
 
     def __post_init__(self) -> None:
@@ -172,7 +173,7 @@ class PartialFileError(InputError):
 def _jsonl(path: Path, spec: ReadSpec, render) -> Iterator[Chunk]:
     opener = gzip.open if path.name.endswith(".gz") else open
     col_fixed = spec.text_column or spec.messages_column
-    row, line_no = 0, 0
+    row, line_no, chars = 0, 0, 0
     buf: dict[str, list] = {"ids": [], "texts": [], "errors": [], "lines": []}
     keep: dict[str, list] = {k: [] for k in spec.keep}
     picked: tuple[str, bool] | None = (col_fixed, spec.messages_column is not None) if col_fixed else None
@@ -211,7 +212,9 @@ def _jsonl(path: Path, spec: ReadSpec, render) -> Iterator[Chunk]:
                 for k in spec.keep:
                     keep[k].append(fields.get(k))
                 row += 1
-                if len(buf["texts"]) >= spec.chunk_rows:
+                chars += len(line)
+                if len(buf["texts"]) >= spec.chunk_rows or chars >= spec.chunk_chars:
+                    chars = 0
                     yield _take(path, row, buf, keep, spec)
         except (OSError, EOFError, UnicodeDecodeError) as e:
             if buf["texts"]:

@@ -184,3 +184,22 @@ def test_verify_reports_a_changed_row(tmp_path):
         w.add_key_value_metadata({k: v for k, v in kv.items() if k == b"policyscan"})
     res = CliRunner().invoke(cli, ["verify", str(out), "--sample", "200"])
     assert res.exit_code == 4 and "1 differ" in res.output
+
+
+def test_many_chunks_and_two_inputs_into_one_output(tmp_path):
+    """Chunked reading and writing keep every row, in order, across chunks and files."""
+    from policyscan.engine.pipeline import OutputSpec, score_inputs
+    from policyscan.engine.policy import load_policies
+    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.sources import ReadSpec
+
+    engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", batch_tokens=4096))
+    out = tmp_path / "o.parquet"
+    acc = score_inputs(engine, [SAMPLE / "conversations.parquet", SAMPLE / "conversations.jsonl"], out,
+                       tmp_path / "e.jsonl", ReadSpec(chunk_rows=7), OutputSpec())
+    ids = pq.read_table(out).column("id").to_pylist()
+    src = pq.read_table(SAMPLE / "conversations.parquet").column("id").to_pylist()
+    assert acc.balanced and acc.rows_scored == 400 and ids == src + src
+    whole = tmp_path / "w.parquet"
+    score_inputs(engine, [SAMPLE / "conversations.parquet"], whole, tmp_path / "e2.jsonl", ReadSpec(), OutputSpec())
+    assert pq.read_table(whole).to_pylist() == pq.read_table(out).slice(0, 200).to_pylist()
