@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# One device call: install, GPU tests, then the benchmark. Usage: bash bench/device.sh [bench args...]
+# One device call: install, GPU tests, accuracy, then the benchmark (its table last).
+#   bash bench/device.sh [bench/run.py args...]    env: SKIP_TESTS, SWEEP, ACCURACY
 set -o pipefail
 export PYTHONUNBUFFERED=1
+O=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
 if [ -z "$SKIP_TESTS" ]; then
-  python3 -m pytest -m gpu tests -q -x -s -p no:cacheprovider 2>&1 | tee ${OUT:-/tmp}/gpu_tests.log | grep -E "max \||passed|failed|Error|error" | head -60
+  python3 -m pytest -m gpu tests -q -s -p no:cacheprovider > $O/gpu_tests.log 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" $O/gpu_tests.log | tail -15
 fi
-python3 bench/run.py "$@" --out ${OUT:-/tmp}/bench.json 2>&1 | tee ${OUT:-/tmp}/bench.log | tail -40
-if [ -n "$SWEEP" ]; then python3 bench/sweep.py 2>&1 | tee ${OUT:-/tmp}/sweep.log; fi
+if [ -n "$SWEEP" ]; then python3 bench/sweep.py > $O/sweep.log 2>&1; tail -12 $O/sweep.log; fi
+if [ -n "$ACCURACY" ]; then python3 bench/accuracy.py 2>&1 | grep -v -i warn > $O/accuracy.log; tail -6 $O/accuracy.log; fi
+python3 bench/run.py "$@" --out $O/bench.json > $O/bench.log 2>&1; tail -45 $O/bench.log

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,13 @@ from policyscan.engine.batch import pack  # noqa: E402
 from policyscan.engine.batcher import plan_batches  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402
 
+DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: a dry run of this script
 FP8_TFLOPS = (1238.0, 1462.0)  # measured torch._scaled_mm rates on this H200 (DESIGN.md)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def engine_pass(dec, seqs, ads, budget: int, prefixes=None, cache: bool = True) -> np.ndarray:
@@ -38,7 +45,7 @@ def engine_pass(dec, seqs, ads, budget: int, prefixes=None, cache: bool = True) 
     with torch.inference_mode():
         for plan in plan_batches(lengths, ads_np, budget):
             b = pack([seqs[i] for i in plan.items], ads_np[plan.items].tolist())
-            outs.append((plan.items, dec.forward(b.to("cuda"), prefix)))
+            outs.append((plan.items, dec.forward(b.to(DEVICE), prefix)))
         f = np.empty(len(seqs), dtype=np.float32)
         for items, v in outs:
             f[items] = v.float().cpu().numpy()
@@ -48,15 +55,15 @@ def engine_pass(dec, seqs, ads, budget: int, prefixes=None, cache: bool = True) 
 def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True) -> dict:
     w = WORKLOADS[name]
     cfg = shape(w.model)
-    dec = random_decoder(cfg, w.adapters, 16, triton_ops, fp8=fp8)
+    dec = random_decoder(cfg, w.adapters, 16, triton_ops, device=DEVICE, fp8=fp8)
     seqs, ads, prefixes = prompts(w, cfg.vocab)
     tokens = sum(map(len, seqs)) + sum(len(prefixes[a]) for a in ads)  # all prompt tokens, cached or not
     engine_pass(dec, seqs[: 4 * w.adapters], ads[: 4 * w.adapters], budget, prefixes, cache)  # compile
     engine_pass(dec, seqs, ads, budget, prefixes, cache)  # warm every batch size once
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     engine_pass(dec, seqs, ads, budget, prefixes, cache)
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t0
     params = cfg.layers * sum(o * i for o, i in (cfg.proj_shape(p) for p in
                               ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
@@ -199,7 +206,7 @@ def main() -> None:
     ap.add_argument("--no-cache", action="store_true", help="also run W2 with prefixes recomputed")
     ap.add_argument("--profile", default=None, help="print per-kernel times for this workload")
     args = ap.parse_args()
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__}
     if args.profile:
         print(profile_engine(args.profile, args.budget))
     if args.gemm:

@@ -19,6 +19,8 @@ LLAMA3_ROPE = RopeConfig(theta=500000.0, kind="llama3", factor=32.0, low_freq_fa
 
 
 def shape(name: str) -> ModelConfig:
+    if name == "tiny":  # dry runs of the scripts on a CPU
+        return ModelConfig("llama", 64, 96, 2, 4, 2, 16, 300, 1e-5, LLAMA3_ROPE, True)
     if name == "3b":
         return ModelConfig("llama", 3072, 8192, 28, 24, 8, 128, 128256, 1e-5, LLAMA3_ROPE, True)
     if name == "1b":
@@ -35,7 +37,8 @@ class Workload:
     prefix: int = 0
 
 
-WORKLOADS = {"W1": Workload("W1", "3b", 8, 256), "W2": Workload("W2", "3b", 8, 256, 256),
+WORKLOADS = {"T1": Workload("T1", "tiny", 3, 8), "T2": Workload("T2", "tiny", 3, 8, 16),
+             "W1": Workload("W1", "3b", 8, 256), "W2": Workload("W2", "3b", 8, 256, 256),
              "W3": Workload("W3", "3b", 64, 64), "W4": Workload("W4", "1b", 8, 256)}
 
 

@@ -1,6 +1,7 @@
 """Score files: sources -> prompts -> engine -> sinks, with row accounting that always balances."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import queue
@@ -129,7 +130,9 @@ def _encoded(engine: Engine, inputs: list[Path], spec: ReadSpec) -> Iterator[tup
             for chunk in read_chunks(path, spec, render):
                 done += len(chunk)
                 texts = [t for t in chunk.texts if t is not None]
-                yield chunk, [np.asarray(ids[-keep:], dtype=np.int32) for ids in engine.encoder.encode_batch(texts)]
+                convs = [np.asarray(ids[-keep:], dtype=np.int32) for ids in engine.encoder.encode_batch(texts)]
+                # the texts are not needed past here; chunks queue up in the prefetch thread without them
+                yield dataclasses.replace(chunk, texts=[]), convs
         except InputError as e:
             yield FileFailure(path, e, done)
 

@@ -28,7 +28,7 @@ class ReadSpec:
     id_column: str | None = None
     keep: tuple[str, ...] = ()
     chunk_rows: int = 4096
-    chunk_chars: int = 64 << 20  # a JSONL chunk also ends at this much text: huge rows keep memory bounded
+    chunk_chars: int = 16 << 20  # a JSONL chunk also ends at this much text: huge rows keep memory bounded
     max_chars: int = 1 << 20  # a conversation longer than this keeps its tail (tokens are cut from the left anyway)
 
     def __post_init__(self) -> None:
@@ -50,7 +50,7 @@ class Chunk:
     clipped: int = 0  # conversations longer than max_chars, kept from the tail
 
     def __len__(self) -> int:
-        return len(self.texts)
+        return len(self.errors)
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:

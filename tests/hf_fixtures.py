@@ -82,12 +82,12 @@ def make_policy(base_model, path: Path, name: str, spec: AdapterSpec, seed: int,
 
 
 def hf_scores(model_dir: Path, policy_dirs: list[Path], seqs: list[list[int]], adapters: list[int],
-              label_ids: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+              label_ids: list[tuple[int, int]], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     """f per sequence from transformers + PEFT, one sequence at a time (no padding), in `dtype`."""
     import transformers as tf
     from peft import PeftModel
 
-    base = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    base = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device)
     model = PeftModel.from_pretrained(base, policy_dirs[0], adapter_name="p0")
     for i, d in enumerate(policy_dirs[1:], 1):
         model.load_adapter(d, adapter_name=f"p{i}")
@@ -96,7 +96,8 @@ def hf_scores(model_dir: Path, policy_dirs: list[Path], seqs: list[list[int]], a
     with torch.no_grad():
         for ids, a in zip(seqs, adapters):
             model.set_adapter(f"p{a}")
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].double().cpu()
             c, v = label_ids[a]
             out.append(logits[v] - logits[c])
+    del model, base
     return torch.stack(out)
