@@ -89,6 +89,24 @@ def pad(seqs: list[list[int]], pad_id: int = 2) -> tuple[torch.Tensor, torch.Ten
     return x, m
 
 
+def train(loss_of, items: list, params, lr: float, steps: int, tag: str, seed: int, **adamw) -> None:
+    """AdamW over shuffled batches of 32 items until `steps` steps; loss_of(batch) -> scalar loss."""
+    opt = torch.optim.AdamW(params, lr=lr, **adamw)
+    g = torch.Generator().manual_seed(seed)
+    step = 0
+    while step < steps:
+        for b in batches(items, 32, g):
+            loss = loss_of(b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step % 50 == 0:
+                print(f"{tag} step {step} loss {loss.item():.3f}", flush=True)
+            if step >= steps:
+                break
+
+
 def train_base(tok, texts: list[str], out: Path, steps: int = 300):
     import transformers as tf
 
@@ -98,22 +116,13 @@ def train_base(tok, texts: list[str], out: Path, steps: int = 300):
                          max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-5,
                          bos_token_id=0, eos_token_id=1, pad_token_id=2)
     model = tf.LlamaForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    ids = [tok.encode(t).ids[:256] for t in texts]
-    g = torch.Generator().manual_seed(0)
-    step = 0
-    while step < steps:
-        for b in batches(ids, 32, g):
-            x, m = pad(b)
-            loss = model(input_ids=x, attention_mask=m, labels=x.masked_fill(m == 0, -100)).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            step += 1
-            if step % 50 == 0:
-                print(f"base step {step} loss {loss.item():.3f}", flush=True)
-            if step >= steps:
-                break
+
+    def lm_loss(b):
+        x, m = pad(b)
+        return model(input_ids=x, attention_mask=m, labels=x.masked_fill(m == 0, -100)).loss
+
+    train(lm_loss, [tok.encode(t).ids[:256] for t in texts], model.parameters(), 3e-3, steps, "base", 0,
+          weight_decay=0.01)
     model.to(torch.bfloat16).save_pretrained(out)
     return model.float()
 
@@ -132,22 +141,14 @@ def train_policy(model, tok, name: str, data: list[dict], out: Path, steps: int 
     peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                   "gate_proj", "up_proj", "down_proj"]))
-    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=2e-3)
-    g = torch.Generator().manual_seed(1)
-    step = 0
-    while step < steps:
-        for b in batches(list(range(len(ids))), 32, g):
-            x, m = pad([ids[i] for i in b])
-            logits = peft_model(input_ids=x, attention_mask=m).logits[:, -1, [comp, viol]]
-            loss = torch.nn.functional.cross_entropy(logits, torch.tensor([y[i] for i in b]))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            step += 1
-            if step % 50 == 0:
-                print(f"{name} step {step} loss {loss.item():.3f}", flush=True)
-            if step >= steps:
-                break
+
+    def verdict_loss(b):
+        x, m = pad([ids[i] for i in b])
+        logits = peft_model(input_ids=x, attention_mask=m).logits[:, -1, [comp, viol]]
+        return torch.nn.functional.cross_entropy(logits, torch.tensor([y[i] for i in b]))
+
+    train(verdict_loss, list(range(len(ids))), [p for p in peft_model.parameters() if p.requires_grad], 2e-3,
+          steps, name, 1)
     out.mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(out)
     (out / "README.md").unlink(missing_ok=True)  # PEFT's model-card stub
