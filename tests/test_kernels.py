@@ -147,12 +147,14 @@ def test_attention_prefix_cache_is_bitwise_recompute(device, last_only):
     qkv = torch.cat(own_rows).to(device)
     full = torch.cat([torch.cat([pre_rows[j], r]) for j, r in zip(seq_pre, own_rows)]).to(device)
     full_len = [prefixes[j] + n for j, n in zip(seq_pre, own)]
-    ang = torch.outer(torch.arange(max(full_len), dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
+    positions = max(own) + max(prefixes)  # the launcher checks the table against the longest own + prefix
+    ang = torch.outer(torch.arange(positions, dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
     cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
     common = (cos, sin, shape, D ** -0.5, None, None, None, 1e-6, last_only)
     own_idx = torch.cat([torch.arange(s + p, s + p + n) for s, p, n in
                          zip(torch.tensor([0] + full_len).cumsum(0).tolist(), [prefixes[j] for j in seq_pre], own)])
-    for fn in (reference.varlen_attention, varlen_attention):
+    # the twin is row-invariant by construction on the CPU only (cuBLAS makes no such promise)
+    for fn in (reference.varlen_attention, varlen_attention) if device == "cpu" else (varlen_attention,):
         cached = fn(qkv, packed(own, device), *common, max(own), prefix=prefix)
         inline = fn(full, packed(full_len, device), *common, max(full_len))
         assert torch.equal(cached, inline if last_only else inline[own_idx.to(device)]), fn.__module__
