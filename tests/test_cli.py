@@ -203,3 +203,34 @@ def test_many_chunks_and_two_inputs_into_one_output(tmp_path):
     whole = tmp_path / "w.parquet"
     score_inputs(engine, [SAMPLE / "conversations.parquet"], whole, tmp_path / "e2.jsonl", ReadSpec(), OutputSpec())
     assert pq.read_table(whole).to_pylist() == pq.read_table(out).slice(0, 200).to_pylist()
+
+
+def test_sigterm_leaves_no_partial_file_and_a_rerun_resumes(tmp_path):
+    """A cron job killed mid-run: no output or temporary file is left; the next run scores what is missing."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    arch = tmp_path / "archive"
+    arch.mkdir()
+    shutil.copy(SAMPLE / "conversations.parquet", arch / "day1.parquet")
+    with open(arch / "day2.jsonl", "w") as f:  # big enough to still be running when the signal comes
+        line = (SAMPLE / "conversations.jsonl").read_text()
+        for _ in range(8):
+            f.write(line)
+    out = tmp_path / "scores"
+    cmd = [sys.executable, "-m", "policyscan.cli.main", "score", str(arch), "-o", f"{out}/", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (out / "day1.scores.parquet").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, log
+    assert sorted(os.listdir(out)) == ["day1.scores.parquet"], log  # day2 left no partial or temporary file
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "day1.parquet: up to date" in res.stderr and "day2.scores.parquet" in res.stderr
+    assert pq.read_table(out / "day2.scores.parquet").num_rows == 1600
