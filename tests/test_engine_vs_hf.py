@@ -1,6 +1,8 @@
 """The reference engine against transformers + PEFT: every architecture, tied/untied, sharded, mixed adapters."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -28,15 +30,15 @@ def build(tmp_path, arch, tie, shard):
     for i, spec in enumerate(SPECS):
         make_policy(model, tmp_path / f"pol{i}", f"pol{i}", spec, seed=10 + i)
         dirs.append(tmp_path / f"pol{i}")
-    g = torch.Generator().manual_seed(hash((arch, tie)) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{arch}{tie}".encode()))  # not hash(): salted per process
     seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in LENGTHS]
     return dirs, seqs
 
 
-def engine_f(model_dir, dirs, seqs, dtype=torch.float32, fp8=False):
+def engine_f(model_dir, dirs, seqs, dtype=torch.float32, fp8=False, adapters=ADAPTERS):
     dec = load_decoder(Checkpoint.open(model_dir), reference, dtype=dtype, fp8=fp8)
     attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
-    return dec.forward(pack(seqs, ADAPTERS)).double()
+    return dec.forward(pack(seqs, adapters)).double()
 
 
 @pytest.mark.parametrize("arch,tie,shard", CASES)
@@ -53,10 +55,15 @@ def test_fp32_matches_hf(tmp_path, arch, tie, shard):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bf16_no_worse_than_hf_bf16(tmp_path, arch):
-    dirs, seqs = build(tmp_path, arch, False, None)
-    exact = hf_scores(tmp_path / "model", dirs, seqs, ADAPTERS, LABELS, torch.float64)
-    hf16 = hf_scores(tmp_path / "model", dirs, seqs, ADAPTERS, LABELS, torch.bfloat16)
-    ours = engine_f(tmp_path / "model", dirs, seqs, torch.bfloat16)
+    """The max over 9 sequences was too noisy a statistic (one draw: ours 2.4x HF, with the same mean error);
+    over 30 sequences ours was 0.6-1.3x HF's max error in seven draws, with the same mean."""
+    dirs, _ = build(tmp_path, arch, False, None)
+    g = torch.Generator().manual_seed(zlib.crc32(arch.encode()))
+    seqs = [torch.randint(0, 211, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (30,), generator=g)]
+    ads = [i % 3 for i in range(30)]
+    exact = hf_scores(tmp_path / "model", dirs, seqs, ads, LABELS, torch.float64)
+    hf16 = hf_scores(tmp_path / "model", dirs, seqs, ads, LABELS, torch.bfloat16)
+    ours = engine_f(tmp_path / "model", dirs, seqs, torch.bfloat16, adapters=ads)
     ours_err, hf_err = (ours - exact).abs().max().item(), (hf16 - exact).abs().max().item()
     print(f"{arch} bf16: ours {ours_err:.3e}, HF {hf_err:.3e} against fp64")
     assert ours_err <= 2 * hf_err
