@@ -122,7 +122,7 @@ def bench_hf(name: str, bs: int = 32) -> dict:
     convs = [s for s, a in zip(seqs, ads) if a == 0]
     by_len = sorted(range(len(convs)), key=lambda i: len(convs[i]))
 
-    def run(limit=None):
+    def run(model, limit=None):
         with torch.inference_mode():
             for a in range(w.adapters if limit is None else 1):
                 model.set_adapter(f"a{a}")
@@ -137,10 +137,10 @@ def bench_hf(name: str, bs: int = 32) -> dict:
                     out = model(input_ids=ids.cuda(), attention_mask=mask.cuda(), logits_to_keep=1).logits
                     out[:, -1, [11, 13]].float().cpu()
 
-    run(limit=bs)
+    run(model, limit=bs)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    run()
+    run(model)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     del model

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from click.testing import CliRunner
 
 from policyscan.cli.main import cli
