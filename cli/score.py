@@ -56,7 +56,7 @@ def score(inputs, output, model, policies, text_column, messages_column, id_colu
                f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, {engine.device}]",
                err=True)
     total = Accounting()
-    progress = not no_progress and sys.stderr.isatty()
+    progress = not no_progress and _is_terminal()
     if per_input:
         out_dir = Path(output)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +75,10 @@ def score(inputs, output, model, policies, text_column, messages_column, id_colu
         total.add(_run(engine, files, target, _errors_for(target, errors_path), spec, out, progress, None))
     _summary(engine, total)
     sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
+
+
+def _is_terminal() -> bool:
+    return sys.stderr.isatty()
 
 
 def _stem(path: Path) -> str:
@@ -101,9 +105,9 @@ def _run(engine, files, target, errors, spec, out, progress, key) -> Accounting:
         bar.set_postfix_str(f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s")
 
     try:
-        acc = score_inputs(engine, files, target, errors, spec, out, tick if bar else None, key)
+        acc = score_inputs(engine, files, target, errors, spec, out, tick if bar is not None else None, key)
     finally:
-        if bar:
+        if bar is not None:  # a tqdm without a total refuses bool()
             bar.close()
     err = f", {acc.rows_in_errors} rows in {errors}" if acc.rows_in_errors or acc.files_in_errors else ""
     click.echo(f"wrote {target}: {acc.rows_scored} rows{err}", err=True)

@@ -67,9 +67,6 @@ class Checkpoint:
         with safe_open(path, framework="pt") as f:
             return f.get_tensor(name)
 
-    def has(self, name: str) -> bool:
-        return name in self.files
-
     def fingerprint(self) -> str:
         """sha256 over config.json and the safetensors files: names what produced an output."""
         h = hashlib.sha256((self.model_dir / "config.json").read_bytes())

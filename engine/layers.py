@@ -41,6 +41,7 @@ class DenseLoraLinear:
     """y = prologue(x) @ W.T (+ bias) + LoRA (+ residual), W in the compute dtype."""
 
     quantized = False
+    weight_scale: torch.Tensor | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prologue: Prologue, ops: ModuleType):
         self.weight, self.bias, self.prologue, self.ops = weight, bias, prologue, ops
@@ -57,8 +58,6 @@ class DenseLoraLinear:
                                           lora.A if lora else None, token_adapter, self.quantized)
         return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, lora.B if lora else None,
                                   token_adapter, self.bias, residual, x.dtype)
-
-    weight_scale = None
 
 
 class Fp8LoraLinear(DenseLoraLinear):

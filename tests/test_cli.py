@@ -233,3 +233,11 @@ def test_sigterm_leaves_no_partial_file_and_a_rerun_resumes(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "day1.parquet: up to date" in res.stderr and "day2.scores.parquet" in res.stderr
     assert pq.read_table(out / "day2.scores.parquet").num_rows == 1600
+
+
+def test_progress_bar_on_a_terminal(tmp_path, monkeypatch):
+    from policyscan.cli import score as score_cmd
+
+    monkeypatch.setattr(score_cmd, "_is_terminal", lambda: True)
+    res = run("score", SAMPLE / "conversations.jsonl", "-o", tmp_path / "o.parquet")
+    assert "200 rows" in res.output and "tok/s" in res.output
