@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import gzip
 import hashlib
 import json
 import os
@@ -114,7 +115,8 @@ def _label_guess(path: Path, spec: ReadSpec, policy_name: str) -> str:
     if path.name.endswith(".parquet"):
         names = pq.ParquetFile(path).schema_arrow.names
     else:
-        with open(path) as fh:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as fh:
             names = list(json.loads(fh.readline()))
     for guess in ("label", policy_name):
         if guess in names:
@@ -128,6 +130,8 @@ def _from_scores(files: list[Path], name: str, label_column: str | None):
     col = label_column or "label"
     frames = [pl.read_parquet(p) if p.name.endswith(".parquet") else pl.read_ndjson(p) for p in files]
     df = pl.concat(frames, how="diagonal_relaxed")
+    if "policy" in df.columns and "f" in df.columns:  # --layout long
+        df = df.filter(pl.col("policy") == name).rename({"f": f"f_{name}"})
     for need in ("id", f"f_{name}", col):
         if need not in df.columns:
             raise InputError(f"{files[0]}: no column {need!r} among {df.columns}; score with --raw "

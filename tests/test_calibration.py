@@ -101,3 +101,15 @@ def test_calibrate_reports_bad_labels(tmp_path):
                                    "--label-column", "verdict", "--dry-run", "--holdout", "0"])
     assert res.exit_code == 0, res.output
     assert "1 rows have no usable label" in res.output and "row 3" in res.output
+
+
+def test_calibrate_from_long_layout_scores(tmp_path):
+    bundle = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
+    scores = tmp_path / "s.jsonl"
+    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "labeled.parquet"), "--policies", str(bundle), "--raw",
+                                   "--keep", "pii", "--layout", "long", "--format", "jsonl", "-o", str(scores),
+                                   "--no-progress"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(cli, ["calibrate", str(scores), "--policy", str(bundle), "--from-scores",
+                                   "--label-column", "pii", "--dry-run"])
+    assert res.exit_code == 0 and "a = " in res.output, res.output
