@@ -71,12 +71,12 @@ def random_decoder(cfg: ModelConfig, n_adapters: int, rank: int, ops, device="cu
     def rnd(*s, scale=1.0):
         return (torch.randn(*s, generator=g, device=device, dtype=torch.float32) * scale).to(dt)
 
-    def linear(out: int, k: int, prologue: Prologue) -> DenseLoraLinear:
-        w = rnd(out, k, scale=k ** -0.5)
+    def linear(out: int, k: int, prologue: Prologue, silu_out: bool = False) -> DenseLoraLinear:
+        w = rnd(out, k, scale=k ** -0.5)  # random rows: their gate/up interleaving does not matter
         if fp8:
             w8, sc = quantize_weight(w)
-            return Fp8LoraLinear(w8, sc, None, prologue, ops)
-        return DenseLoraLinear(w, None, prologue, ops)
+            return Fp8LoraLinear(w8, sc, None, prologue, ops, silu_out)
+        return DenseLoraLinear(w, None, prologue, ops, silu_out)
 
     def stack(projs) -> LoraStack:
         k = cfg.proj_shape(projs[0])[1]
@@ -95,10 +95,10 @@ def random_decoder(cfg: ModelConfig, n_adapters: int, rank: int, ops, device="cu
         layer = DecoderLayer(
             qkv=linear(cfg.q_size + 2 * cfg.kv_size, cfg.hidden, Prologue(ones, cfg.rms_eps)),
             o=linear(cfg.hidden, cfg.q_size, Prologue()),
-            gate_up=linear(2 * cfg.intermediate, cfg.hidden, Prologue(ones, cfg.rms_eps)),
-            down=linear(cfg.hidden, cfg.intermediate, Prologue(silu_mul=True)))
+            gate_up=linear(2 * cfg.intermediate, cfg.hidden, Prologue(ones, cfg.rms_eps), silu_out=True),
+            down=linear(cfg.hidden, cfg.intermediate, Prologue()))
         for group, projs in GROUPS.items():
-            getattr(layer, group).lora = stack(projs)
+            getattr(layer, group).set_lora(stack(projs))
         layers.append(layer)
     embed = rnd(cfg.vocab, cfg.hidden, scale=0.02)
     dec = Decoder(cfg, embed, layers, ones, ops, lambda ids: embed[ids].float())

@@ -10,18 +10,15 @@ from types import ModuleType
 
 import torch
 
+from ..kernels.reference import interleave_halves
+
 
 @dataclass(frozen=True)
 class Prologue:
-    """What runs before the GEMM on the activations: an RMSNorm (weight), SiLU-and-mul, or nothing."""
+    """What runs before the GEMM on the activations: an RMSNorm (weight), or nothing."""
 
     norm_weight: torch.Tensor | None = None
     eps: float = 1e-6
-    silu_mul: bool = False
-
-    def __post_init__(self) -> None:
-        if self.norm_weight is not None and self.silu_mul:
-            raise ValueError("a prologue is an RMSNorm or a SiLU-and-mul, not both")
 
 
 @dataclass(frozen=True)
@@ -38,14 +35,24 @@ class LoraStack:
 
 
 class DenseLoraLinear:
-    """y = prologue(x) @ W.T (+ bias) + LoRA (+ residual), W in the compute dtype."""
+    """y = prologue(x) @ W.T (+ bias) + LoRA (+ residual), W in the compute dtype.
+
+    silu_out: a fused gate/up projection whose rows are interleaved (interleave_halves) and whose output is
+    silu(gate) * up; the LoRA B rows are interleaved the same way by set_lora."""
 
     quantized = False
     weight_scale: torch.Tensor | None = None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prologue: Prologue, ops: ModuleType):
-        self.weight, self.bias, self.prologue, self.ops = weight, bias, prologue, ops
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prologue: Prologue, ops: ModuleType,
+                 silu_out: bool = False):
+        self.weight, self.bias, self.prologue, self.ops, self.silu_out = weight, bias, prologue, ops, silu_out
         self.lora: LoraStack | None = None
+
+    def set_lora(self, stack: LoraStack | None) -> None:
+        """Attach all adapters' factors, B in the projection's natural row order."""
+        if stack is not None and self.silu_out:
+            stack = LoraStack(stack.A, interleave_halves(stack.B, dim=1).contiguous())
+        self.lora = stack
 
     @property
     def out_features(self) -> int:
@@ -54,10 +61,10 @@ class DenseLoraLinear:
     def __call__(self, x: torch.Tensor, token_adapter: torch.Tensor,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
         p, lora = self.prologue, self.lora
-        h, h_scale, s = self.ops.prologue(x, p.norm_weight, p.eps, p.silu_mul,
-                                          lora.A if lora else None, token_adapter, self.quantized)
+        h, h_scale, s = self.ops.prologue(x, p.norm_weight, p.eps, lora.A if lora else None, token_adapter,
+                                          self.quantized)
         return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, lora.B if lora else None,
-                                  token_adapter, self.bias, residual, x.dtype)
+                                  token_adapter, self.bias, residual, x.dtype, self.silu_out)
 
 
 class Fp8LoraLinear(DenseLoraLinear):
@@ -67,8 +74,8 @@ class Fp8LoraLinear(DenseLoraLinear):
     quantized = True
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 prologue: Prologue, ops: ModuleType):
+                 prologue: Prologue, ops: ModuleType, silu_out: bool = False):
         if weight.dtype != torch.float8_e4m3fn:
             raise ValueError(f"Fp8LoraLinear needs an e4m3 weight, got {weight.dtype}")
-        super().__init__(weight, bias, prologue, ops)
+        super().__init__(weight, bias, prologue, ops, silu_out)
         self.weight_scale = weight_scale.float().reshape(-1)

@@ -12,6 +12,7 @@ from .layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
 from .model import Decoder, DecoderLayer
 from .policy import Policy, check_policy
 from .quant import dequantize_weight, quantize_weight
+from ..kernels.reference import interleave_halves
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
@@ -37,15 +38,19 @@ def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str =
         w8, scale = (w, get(base + ".weight_scale").float().reshape(-1)) if ckpt.fp8 else quantize_weight(w)
         return (w8, scale) if w8a8 else (dequantize_weight(w8, scale, dtype), None)
 
-    def linear(layer: int, projs: tuple[str, ...], prologue: Prologue) -> DenseLoraLinear:
+    def linear(layer: int, projs: tuple[str, ...], prologue: Prologue, silu_out: bool = False) -> DenseLoraLinear:
         pairs = [weight(weight_name(layer, p)) for p in projs]
         w = torch.cat([w for w, _ in pairs])
+        scale = torch.cat([s for _, s in pairs]) if fp8 and w8a8 else None
+        if silu_out:  # gate and up rows side by side for the GEMM's SiLU-and-mul epilogue
+            w = interleave_halves(w).contiguous()
+            scale = interleave_halves(scale).contiguous() if scale is not None else None
         bias = None
         if cfg.qkv_bias and projs == GROUPS["qkv"]:
             bias = torch.cat([get(weight_name(layer, p) + ".bias").float() for p in projs])
-        if fp8 and w8a8:
-            return Fp8LoraLinear(w, torch.cat([s for _, s in pairs]), bias, prologue, ops)
-        return DenseLoraLinear(w, bias, prologue, ops)
+        if scale is not None:
+            return Fp8LoraLinear(w, scale, bias, prologue, ops, silu_out)
+        return DenseLoraLinear(w, bias, prologue, ops, silu_out)
 
     def norm(name: str) -> torch.Tensor:
         return get(name).to(dtype)
@@ -56,8 +61,9 @@ def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str =
         layers.append(DecoderLayer(
             qkv=linear(i, GROUPS["qkv"], Prologue(norm(pre + "input_layernorm.weight"), cfg.rms_eps)),
             o=linear(i, GROUPS["o"], Prologue()),
-            gate_up=linear(i, GROUPS["gate_up"], Prologue(norm(pre + "post_attention_layernorm.weight"), cfg.rms_eps)),
-            down=linear(i, GROUPS["down"], Prologue(silu_mul=True)),
+            gate_up=linear(i, GROUPS["gate_up"], Prologue(norm(pre + "post_attention_layernorm.weight"), cfg.rms_eps),
+                           silu_out=True),
+            down=linear(i, GROUPS["down"], Prologue()),
             q_norm=norm(pre + "self_attn.q_norm.weight") if cfg.qk_norm else None,
             k_norm=norm(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None,
         ))
@@ -90,7 +96,7 @@ def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tu
     for i, layer in enumerate(decoder.layers):
         for group, projs in GROUPS.items():
             lin: DenseLoraLinear = getattr(layer, group)
-            lin.lora = _stack(cfg, i, projs, policies, decoder.dtype, decoder.device)
+            lin.set_lora(_stack(cfg, i, projs, policies, decoder.dtype, decoder.device))
 
 
 def _stack(cfg: ModelConfig, layer: int, projs: tuple[str, ...], policies: list[Policy],

@@ -17,8 +17,8 @@ from .layers import DenseLoraLinear
 class DecoderLayer:
     qkv: DenseLoraLinear       # prologue: input RMSNorm
     o: DenseLoraLinear         # + residual
-    gate_up: DenseLoraLinear   # prologue: post-attention RMSNorm
-    down: DenseLoraLinear      # prologue: SiLU-and-mul; + residual
+    gate_up: DenseLoraLinear   # prologue: post-attention RMSNorm; epilogue: SiLU-and-mul
+    down: DenseLoraLinear      # + residual
     q_norm: torch.Tensor | None = None  # Qwen3 per-head norms
     k_norm: torch.Tensor | None = None
 

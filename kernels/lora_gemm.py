@@ -1,7 +1,12 @@
-"""Fused (FP8 or 16/32-bit) GEMM + multi-LoRA expand (+ bias, + residual) in one kernel.
+"""Fused (FP8 or 16/32-bit) GEMM + multi-LoRA expand (+ bias, + residual) (+ SiLU-and-mul) in one kernel.
 
 Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype) @ B[token_adapter].T
-(+ bias) (+ residual), fp32 accumulation, one rounding to y's dtype — reference.lora_gemm.
+(+ bias) (+ residual), fp32 accumulation, one rounding to y's dtype; with silu_out, W's rows alternate
+gate and up and y = silu(y[:, 0::2]) * y[:, 1::2] — reference.lora_gemm.
+
+Why SiLU-and-mul here: as the down projection's prologue it re-read the [T, 2I] gate/up output twice,
+392 us of each 16k-token batch per layer at W1's shape (bench/sweep.py, run 4); here gate and up sit
+side by side in the accumulator and only [T, I] is written.
 
 Why fused: the expand reads s [M, R] and one [BN, R] slice of B per tile; doing it in the epilogue saves
 a full read-modify-write of y [M, N] that a separate expand kernel costs.
@@ -21,6 +26,7 @@ def _lora_gemm_kernel(
     M, N, K, R,
     stride_xm, stride_wn, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
     HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    SILU_OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -70,7 +76,14 @@ def _lora_gemm_kernel(
     mask = m_ok[:, None] & n_ok[None, :]
     if HAS_RES:
         acc += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if SILU_OUT:
+        g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
+        h = g / (1.0 + tl.exp(-g)) * u
+        rh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rh[None, :], h.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & (rh[None, :] < N // 2))
+    else:
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict:
@@ -94,7 +107,7 @@ def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
-              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+              silu_out: bool = False, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Launcher; same semantics as reference.lora_gemm. x [M, K], W [N, K], B [n, N, R]; `out` is written
     in place when given; `config` overrides the tile choice (bench/sweep.py)."""
     M, K = x.shape
@@ -116,9 +129,12 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             raise ValueError("token_adapter must be int32 [M]")
     if residual is not None and (residual.shape != (M, N) or residual.stride(1) != 1):
         raise ValueError(f"residual must be [M, N] = [{M}, {N}] with a contiguous last dimension")
-    if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or out.stride(1) != 1):
-        raise ValueError(f"out must be [{M}, {N}] {out_dtype} with a contiguous last dimension")
-    y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if silu_out and (N % 2 or residual is not None):
+        raise ValueError("the SiLU epilogue needs an even N (gate/up rows interleaved) and no residual")
+    n_out = N // 2 if silu_out else N
+    if out is not None and (out.shape != (M, n_out) or out.dtype != out_dtype or out.stride(1) != 1):
+        raise ValueError(f"out must be [{M}, {n_out}] {out_dtype} with a contiguous last dimension")
+    y = out if out is not None else torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     if M == 0:
         return y
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
@@ -132,5 +148,5 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         residual.stride(0) if residual is not None else 0,
         HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, PREC="ieee" if x.dtype == torch.float32 else "tf32", BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
+        HAS_RES=residual is not None, SILU_OUT=silu_out, PREC="ieee" if x.dtype == torch.float32 else "tf32", BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
     return y

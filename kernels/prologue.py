@@ -1,6 +1,6 @@
-"""Prologue of a linear layer: RMSNorm or SiLU-and-mul, per-token FP8 quantization and the LoRA shrink.
+"""Prologue of a linear layer: RMSNorm (or nothing), per-token FP8 quantization and the LoRA shrink.
 
-Semantics: h = rmsnorm(x, w) | silu(x[:, :K]) * x[:, K:] | x, rounded to x.dtype;
+Semantics: h = rmsnorm(x, w) if a norm weight is given else x, rounded to x.dtype;
 (h8, h_scale) = quantize_rows(h) when quantizing (else h itself); s = h @ A[token_adapter].T in fp32
 (zeros for adapter -1) — reference.prologue.
 
@@ -18,17 +18,13 @@ FP8_MAX = 448.0
 
 
 @triton.jit
-def _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM: tl.constexpr, SILU: tl.constexpr):
+def _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM: tl.constexpr):
     k_ok = rk < K
     mask = m_ok[:, None] & k_ok[None, :]
     x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
     if NORM:
         w = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
         h = (x.to(tl.float32) * rstd[:, None] * w[None, :]).to(x.dtype)
-    elif SILU:
-        u = tl.load(x_ptr + rm[:, None] * stride_xm + K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = x.to(tl.float32)
-        h = (g / (1.0 + tl.exp(-g)) * u).to(x.dtype)
     else:
         h = x
     return h
@@ -39,7 +35,7 @@ def _prologue_kernel(
     x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr,
     M, K, R, eps,
     stride_xm, stride_hm, stride_an, stride_ar, stride_sm,
-    NORM: tl.constexpr, SILU: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
+    NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr,
 ):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -63,7 +59,7 @@ def _prologue_kernel(
                 w = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
                 mx = tl.maximum(mx, tl.max(tl.abs(x * w[None, :]), axis=1))
             else:
-                h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM, SILU).to(tl.float32)
+                h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM).to(tl.float32)
                 mx = tl.maximum(mx, tl.max(tl.abs(h), axis=1))
         if NORM:
             rstd = 1.0 / tl.sqrt(ss / K + eps)
@@ -84,7 +80,7 @@ def _prologue_kernel(
     for k in range(0, nk):
         rk = k * BK + tl.arange(0, BK)
         mask = m_ok[:, None] & (rk[None, :] < K)
-        h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM, SILU)
+        h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM)
         out_ptrs = h_ptr + rm[:, None] * stride_hm + rk[None, :]
         if QUANT:
             q = tl.clamp(h.to(tl.float32) / scale[:, None], -448.0, 448.0)
@@ -101,20 +97,16 @@ def _prologue_kernel(
         tl.store(s_ptr + rm[:, None] * stride_sm + rr[None, :], sacc, mask=m_ok[:, None] & (rr[None, :] < R))
 
 
-def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
+def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
              A: torch.Tensor | None, token_adapter: torch.Tensor, quant: bool,
              out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
              config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Launcher; same semantics as reference.prologue. x [M, K] (or [M, 2K] with silu_mul); `out`
+    """Launcher; same semantics as reference.prologue. x [M, K]; `out`
     (h, h_scale, s) is written in place when given; `config` (BM, BK, num_warps) overrides the tile choice
     (bench/sweep.py)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D with a contiguous last dimension, got {tuple(x.shape)}")
-    if norm_weight is not None and silu_mul:
-        raise ValueError("RMSNorm or SiLU-and-mul, not both")
-    M, K = x.shape[0], x.shape[1] // 2 if silu_mul else x.shape[1]
-    if silu_mul and x.shape[1] % 2:
-        raise ValueError(f"SiLU-and-mul needs an even width, got {x.shape[1]}")
+    M, K = x.shape
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not fit width {K}")
     R = 0
@@ -135,12 +127,10 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu
     if M == 0:
         return h, hs, s
     interpret = x.device.type == "cpu"
-    # Per kind, from bench/sweep.py at W1's shapes (run 4): norm 105 us (gate_up), plain 75 us (o_proj),
-    # SiLU-and-mul 392 us (down_proj, which reads 2 x 8192 columns twice) per 16k-token batch.
+    # Per kind, from bench/sweep.py at W1's shapes (run 4): norm 105 us (gate_up), plain 75 us (o_proj)
+    # per 16k-token batch.
     if interpret:
         cfg = dict(BM=16, BK=32, num_warps=4)
-    elif silu_mul:
-        cfg = dict(BM=16, BK=256, num_warps=4)
     elif norm_weight is not None:
         cfg = dict(BM=32, BK=128, num_warps=4)
     else:
@@ -154,7 +144,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu
         h, hs if hs is not None else dummy, s if s is not None else dummy,
         M, K, R, eps, x.stride(0), h.stride(0), A.stride(0) if A is not None else 0,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0,
-        NORM=norm_weight is not None, SILU=silu_mul, QUANT=quant, HAS_LORA=A is not None,
+        NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None,
         BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
     return h, hs, s

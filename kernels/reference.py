@@ -82,20 +82,12 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_adapter: torch.Tensor) -
     return s
 
 
-def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
-             A: torch.Tensor | None, token_adapter: torch.Tensor, quant: bool
+def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: torch.Tensor | None,
+             token_adapter: torch.Tensor, quant: bool
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Semantics: h = rmsnorm(x) | silu(x[:, :N]) * x[:, N:] | x, rounded to x.dtype;
+    """Semantics: h = rmsnorm(x) if norm_weight is given else x, rounded to x.dtype;
     returns (quantize_rows(h) or h, its row scales or None, lora_shrink(h, A) or None)."""
-    if norm_weight is not None:
-        h = rmsnorm(x, norm_weight, eps)
-    elif silu_mul:
-        def silu_mul(xb: torch.Tensor) -> torch.Tensor:
-            g, u = xb.to(_acc(xb)).chunk(2, dim=-1)
-            return (F.silu(g) * u).to(x.dtype)
-        h = row_blocks(silu_mul, x)
-    else:
-        h = x
+    h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
     s = lora_shrink(h, A, token_adapter) if A is not None else None
     if quant:
         h8, scale = quantize_rows(h)
@@ -105,9 +97,11 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, silu
 
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
-              bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+              bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
+              silu_out: bool = False) -> torch.Tensor:
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
-    (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K]."""
+    (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K].
+    silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2]."""
     dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
     acc = rows_matmul(x.to(dt), W.to(dt))
     if x_scale is not None:
@@ -123,7 +117,16 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         acc = acc + bias.to(dt)
     if residual is not None:
         acc = acc + residual.to(dt)
+    if silu_out:
+        return row_blocks(lambda a: (F.silu(a[:, 0::2]) * a[:, 1::2]).to(out_dtype), acc)
     return acc.to(out_dtype)
+
+
+def interleave_halves(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """[g0 .. g(I-1), u0 .. u(I-1)] -> [g0, u0, g1, u1, ...] along dim: the row order lora_gemm's SiLU
+    epilogue reads, so a tile holds each gate row beside its up row."""
+    g, u = t.chunk(2, dim)
+    return torch.stack([g, u], dim + 1).flatten(dim, dim + 1)
 
 
 @dataclass(frozen=True)
