@@ -148,5 +148,6 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         residual.stride(0) if residual is not None else 0,
         HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, SILU_OUT=silu_out, PREC="ieee" if x.dtype == torch.float32 else "tf32", BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
+        HAS_RES=residual is not None, SILU_OUT=silu_out, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
     return y
