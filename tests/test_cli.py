@@ -241,3 +241,15 @@ def test_progress_bar_on_a_terminal(tmp_path, monkeypatch):
     monkeypatch.setattr(score_cmd, "_is_terminal", lambda: True)
     res = run("score", SAMPLE / "conversations.jsonl", "-o", tmp_path / "o.parquet")
     assert "200 rows" in res.output and "tok/s" in res.output
+
+
+def test_engine_setting_errors_are_for_people():
+    import torch
+
+    if not torch.cuda.is_available():
+        res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--device", "cuda"])
+        assert res.exit_code == 1 and "no CUDA GPU is visible; use --device cpu" in res.output
+    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--max-length", "10"])
+    assert res.exit_code == 1 and "raise --max-length" in res.output
+    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--batch-tokens", "100"])
+    assert res.exit_code == 1 and "--batch-tokens (100) must be at least --max-length" in res.output
