@@ -67,6 +67,15 @@ class Checkpoint:
         with safe_open(path, framework="pt") as f:
             return f.get_tensor(name)
 
+    def get_rows(self, name: str, rows: list[int]) -> torch.Tensor:
+        """Some rows of a 2-D tensor, read without loading the rest (the two label rows of a 128k vocabulary)."""
+        path = self.files.get(name)
+        if path is None:
+            raise CheckpointError(f"{self.model_dir}: tensor {name!r} not found in the checkpoint")
+        with safe_open(path, framework="pt") as f:
+            sl = f.get_slice(name)
+            return torch.cat([sl[r:r + 1] for r in rows])
+
     def fingerprint(self) -> str:
         """sha256 over config.json and the safetensors files: names what produced an output."""
         h = hashlib.sha256((self.model_dir / "config.json").read_bytes())

@@ -76,7 +76,7 @@ def _head_reader(ckpt: Checkpoint):
     name = "model.embed_tokens.weight" if ckpt.config.tie_embeddings else "lm_head.weight"
 
     def rows(ids: list[int]) -> torch.Tensor:
-        return ckpt.get(name)[ids].float()
+        return ckpt.get_rows(name, ids).float()
     return rows
 
 
