@@ -17,7 +17,6 @@ from ..calibration.platt import fit_platt, sigmoid
 from ..engine.checkpoint import file_sha256
 from ..engine.errors import InputError, PolicyscanError
 from ..engine.policy import load_policy
-from ..engine.prompts import render_messages
 from ..engine.runner import Engine, EngineSettings
 from ..engine.sources import ReadSpec, expand_inputs, read_chunks
 from .common import clip_chars, default_model, engine_options, friendly_errors, model_option
@@ -92,12 +91,11 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
 
 
 def _score(engine: Engine, files: list[Path], spec: ReadSpec, label_column: str | None):
-    cfg = engine.encoder.tokenizer_config
     ids, texts, labels, col = [], [], [], None
     for path in files:
         col = label_column or _label_guess(path, spec, engine.policies[0].name)
         spec_l = ReadSpec(spec.text_column, spec.messages_column, spec.id_column, (col,), max_chars=spec.max_chars)
-        for chunk in read_chunks(path, spec_l, lambda m: render_messages(m, None, cfg)):
+        for chunk in read_chunks(path, spec_l, engine.encoder.render):
             for i, t in enumerate(chunk.texts):
                 if t is None:
                     raise InputError(f"{path}, row {chunk.first_row + i}: {chunk.errors[i]}; fix the labeled data")

@@ -65,11 +65,12 @@ def score(inputs, output, model, policies, text_column, messages_column, id_colu
         if dup:
             raise PolicyscanError(f"inputs with the same name would share an output: {sorted(map(str, dup))}")
         for f, target in targets:
-            key = run_key(engine, spec, out, file_sha256(f))
+            sha = file_sha256(f)
+            key = run_key(engine, spec, out, sha)
             if up_to_date(target, key):
                 click.echo(f"{f}: up to date ({target})", err=True)
                 continue
-            total.add(_run(engine, [f], target, _errors_for(target, None), spec, out, progress, key))
+            total.add(_run(engine, [f], target, _errors_for(target, None), spec, out, progress, key, [sha]))
     else:
         target = Path(output) if output else Path(f"{_stem(files[0]) if len(files) == 1 else 'scores'}.scores.{fmt}")
         total.add(_run(engine, files, target, _errors_for(target, errors_path), spec, out, progress, None))
@@ -93,7 +94,7 @@ def _errors_for(target: Path, given: str | None) -> Path:
     return Path(given) if given else target.with_name(target.name + ".errors.jsonl")
 
 
-def _run(engine, files, target, errors, spec, out, progress, key) -> Accounting:
+def _run(engine, files, target, errors, spec, out, progress, key, shas=None) -> Accounting:
     bar = None
     if progress:
         from tqdm import tqdm
@@ -105,7 +106,7 @@ def _run(engine, files, target, errors, spec, out, progress, key) -> Accounting:
         bar.set_postfix_str(f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s")
 
     try:
-        acc = score_inputs(engine, files, target, errors, spec, out, tick if bar is not None else None, key)
+        acc = score_inputs(engine, files, target, errors, spec, out, tick if bar is not None else None, key, shas)
     finally:
         if bar is not None:  # a tqdm without a total refuses bool()
             bar.close()

@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 from ..engine.checkpoint import file_sha256
 from ..engine.errors import InputError, PolicyscanError
 from ..engine.policy import load_policy
-from ..engine.prompts import render_messages
 from ..engine.runner import Engine, EngineSettings
 from ..engine.sinks import read_metadata
 from ..engine.sources import ReadSpec, read_chunks
@@ -79,7 +78,8 @@ def _check_hashes(meta: dict) -> None:
 def _stored(out: Path, meta: dict, names: list[str]) -> dict:
     """id -> {policy: p} from a wide or long output."""
     if out.name.endswith(".parquet"):
-        rows = pq.read_table(out).to_pylist()
+        cols = ["id", "policy", "p"] if meta["output"]["layout"] == "long" else ["id"] + [f"p_{n}" for n in names]
+        rows = pq.read_table(out, columns=cols).to_pylist()
     else:
         import json
 
@@ -97,10 +97,9 @@ def _stored(out: Path, meta: dict, names: list[str]) -> dict:
 def _find(meta: dict, ids: set, engine: Engine) -> dict:
     """id -> conversation text, re-read from the recorded inputs with the recorded read settings."""
     spec = ReadSpec(**{k: tuple(v) if k == "keep" else v for k, v in meta["read"].items()})
-    cfg = engine.encoder.tokenizer_config
     found = {}
     for rec in meta["inputs"]:
-        for chunk in read_chunks(Path(rec["path"]), spec, lambda m: render_messages(m, None, cfg)):
+        for chunk in read_chunks(Path(rec["path"]), spec, engine.encoder.render):
             for i, id_ in enumerate(chunk.ids.to_pylist()):
                 if id_ in ids and chunk.texts[i] is not None:
                     found.setdefault(id_, chunk.texts[i])

@@ -15,7 +15,6 @@ import numpy as np
 
 from .checkpoint import file_sha256
 from .errors import InputError
-from .prompts import render_messages
 from .runner import Engine
 from .sinks import ErrorWriter, ScoreWriter, read_metadata
 from .sources import Chunk, PartialFileError, ReadSpec, read_chunks
@@ -79,8 +78,11 @@ def up_to_date(output: Path, key: str) -> bool:
 
 
 def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path, spec: ReadSpec, out: OutputSpec,
-                 progress: Callable[[int, int], None] | None = None, key: str | None = None) -> Accounting:
-    """Score `inputs` into one output file (and one errors file); both appear whole or not at all."""
+                 progress: Callable[[int, int], None] | None = None, key: str | None = None,
+                 input_sha256: list[str] | None = None) -> Accounting:
+    """Score `inputs` into one output file (and one errors file); both appear whole or not at all.
+    input_sha256: the inputs' hashes when the caller already has them (each file is hashed once)."""
+    shas = input_sha256 or [file_sha256(p) for p in inputs]  # before reading: what was scored is what is named
     names = [p.name for p in engine.policies]
     writer, err = ScoreWriter(output, out.fmt, out.layout, names, out.raw), ErrorWriter(errors)
     acc = Accounting(above_threshold={n: 0 for n in names})
@@ -94,7 +96,7 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
             if progress:
                 progress(len(item[0]), acc.prompt_tokens)
         acc.seconds = time.perf_counter() - t0
-        meta = {**engine.describe(), "inputs": [{"path": str(p), "sha256": file_sha256(p)} for p in inputs],
+        meta = {**engine.describe(), "inputs": [{"path": str(p), "sha256": h} for p, h in zip(inputs, shas)],
                 "read": asdict(spec), "output": asdict(out), "errors_file": str(errors) if err.count else None,
                 "accounting": {**asdict(acc), "balanced": acc.balanced}, "run_key": key}
         err.commit()
@@ -117,17 +119,12 @@ class FileFailure:
 
 def _encoded(engine: Engine, inputs: list[Path], spec: ReadSpec) -> Iterator[tuple[Chunk, list] | FileFailure]:
     """Chunks with their valid conversations tokenized (runs in the prefetch thread)."""
-    cfg = engine.encoder.tokenizer_config
-
-    def render(messages: list) -> str:
-        return render_messages(messages, None, cfg)
-
     # No prompt uses more of a conversation than the largest budget; one token more keeps "was it cut" known.
     keep = max(b.budget for b in engine.builders) + 1
     for path in inputs:
         done = 0
         try:
-            for chunk in read_chunks(path, spec, render):
+            for chunk in read_chunks(path, spec, engine.encoder.render):
                 done += len(chunk)
                 texts = [t for t in chunk.texts if t is not None]
                 convs = [np.asarray(ids[-keep:], dtype=np.int32) for ids in engine.encoder.encode_batch(texts)]

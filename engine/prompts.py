@@ -53,6 +53,10 @@ class TextEncoder:
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
+    def render(self, messages: list[dict]) -> str:
+        """A messages list as text, through the model's chat template."""
+        return render_messages(messages, None, self.tokenizer_config)
+
     def single_token(self, label: str, policy: Policy) -> int:
         ids = self.tok.encode(label, add_special_tokens=False).ids
         if len(ids) != 1:
@@ -111,9 +115,7 @@ class PromptBuilder:
 
     def build(self, conversation) -> tuple[list[int], bool]:
         """(ids, truncated): the latest conversation tokens are kept when it is too long."""
-        cut = len(conversation) > self.budget
-        conv = conversation[len(conversation) - self.budget:] if cut else conversation
-        return [*self.bos, *self.prefix, *list(conv), *self.suffix], cut
+        return self.head + self.tail(conversation), len(conversation) > self.budget
 
 
 def render_messages(messages: list[dict], template: str | None, tokenizer_config: dict) -> str:
