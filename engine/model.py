@@ -65,19 +65,21 @@ class Decoder:
             seq_pre = (prefix.start[ad], prefix.length[ad])
         cos, sin = self.rope_tables(batch.max_seqlen + (prefix.longest if prefix is not None else 0))
         shape = AttnShape(cfg.heads, cfg.kv_heads, cfg.head_dim)
+        positions = batch.positions
+        if prefix is not None:  # a sequence's own tokens start after its policy's cached prefix
+            positions = positions + prefix.length[batch.token_adapter.long()]
         h = self.embed[batch.ids]
         tok_ad, last = batch.token_adapter, batch.last_idx
         for i, layer in enumerate(self.layers):
             # The last layer only needs each sequence's last token past the K/V projections: exact pruning.
             last_only = i == len(self.layers) - 1
-            qkv = layer.qkv(h, tok_ad)
-            if capture is not None:
+            qkv = ops.rope_qk(layer.qkv(h, tok_ad), positions, cos, sin, shape, layer.q_norm, layer.k_norm,
+                              cfg.rms_eps)
+            if capture is not None:  # rotated rows: a cached prefix is read as keys at its own positions
                 capture.append(qkv)
             pkv = PrefixKV(prefix.layers[i], *seq_pre) if prefix is not None else None
-            attn = ops.varlen_attention(qkv, batch.cu_seqlens, cos, sin, shape,
-                                        cfg.head_dim ** -0.5, cfg.sliding_window, layer.q_norm, layer.k_norm,
-                                        cfg.rms_eps, last_only=last_only, max_seqlen=batch.max_seqlen,
-                                        prefix=pkv)
+            attn = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.head_dim ** -0.5, cfg.sliding_window,
+                                        last_only=last_only, max_seqlen=batch.max_seqlen, prefix=pkv)
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
             h = layer.o(attn, tok_ad, residual=h)

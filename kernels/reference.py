@@ -163,17 +163,34 @@ class PrefixKV:
     length: torch.Tensor  # [B] int32
 
 
-def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     shape: AttnShape, scale: float, window: int | None = None,
-                     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-                     last_only: bool = False, max_seqlen: int | None = None,
+def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: AttnShape,
+            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """Semantics: in place on the q and k heads of qkv [T, (H + 2 Hkv) D]: per-head RMSNorm (if q_norm/k_norm,
+    rounded to qkv.dtype), then the rotary embedding at positions[t] (cos/sin tables [P, D/2], fp32 inside,
+    rounded to qkv.dtype). v is untouched. Returns qkv."""
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    T = qkv.shape[0]
+    if T == 0:
+        return qkv
+    q = qkv[:, :H * D].reshape(T, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
+    if q_norm is not None:
+        q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
+    c, s = cos[positions], sin[positions]
+    qkv[:, :H * D] = rope(q, c, s).reshape(T, H * D)
+    qkv[:, H * D:(H + Hkv) * D] = rope(k, c, s).reshape(T, Hkv * D)
+    return qkv
+
+
+def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
+                     window: int | None = None, last_only: bool = False, max_seqlen: int | None = None,
                      prefix: PrefixKV | None = None) -> torch.Tensor:
-    """Semantics: q, k, v = split(qkv); q, k = rmsnorm per head (if q_norm/k_norm), then rotary embedding at
-    each token's position (cos/sin tables [P, D/2]); then causal softmax(q k^T * scale) v within each packed
-    sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded to qkv.dtype. With `prefix`, a sequence's
-    keys are its cached prefix rows followed by its own tokens, whose positions start after the prefix.
-    Returns [Tq, H * D]; with last_only, only each sequence's last token queries (Tq = sequences).
-    `window` limits each query to its last `window` keys. max_seqlen is a hint the Triton twin uses.
+    """Semantics: q, k, v = split(qkv) (q and k already normed and rotated: rope_qk); causal
+    softmax(q k^T * scale) v within each packed sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded
+    to qkv.dtype. With `prefix`, a sequence's keys are its cached prefix rows followed by its own tokens.
+    Returns [Tq, H * D]; with last_only, only each sequence's last token queries (Tq = sequences); an empty
+    sequence's row is zero. `window` limits each query to its last `window` keys. max_seqlen is a hint the
+    Triton twin may use.
 
     Every product is row-blocked (rows_matmul, row_blocks), so a query's result depends only on its own
     sequence: the same with or without the prefix cache, in any batch."""
@@ -182,17 +199,15 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Ten
 
     def split(rows: torch.Tensor):
         n = rows.shape[0]
-        q = rows[:, :H * D].reshape(n, H, D)
-        k = rows[:, H * D:(H + Hkv) * D].reshape(n, Hkv, D)
-        v = rows[:, (H + Hkv) * D:].reshape(n, Hkv, D)
-        if q_norm is not None:
-            q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
-        return q, k, v
+        return (rows[:, :H * D].reshape(n, H, D), rows[:, H * D:(H + Hkv) * D].reshape(n, Hkv, D),
+                rows[:, (H + Hkv) * D:].reshape(n, Hkv, D))
 
     bounds = cu_seqlens.tolist()
-    out = torch.empty(len(bounds) - 1 if last_only else qkv.shape[0], H * D, dtype=qkv.dtype, device=qkv.device)
+    out = torch.zeros(len(bounds) - 1 if last_only else qkv.shape[0], H * D, dtype=qkv.dtype, device=qkv.device)
     for i in range(len(bounds) - 1):  # per sequence: sequences never see each other
         s, e = bounds[i], bounds[i + 1]
+        if s == e:
+            continue
         q, k, v = split(qkv[s:e])
         P = int(prefix.length[i]) if prefix is not None else 0
         if P:
@@ -201,11 +216,9 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Ten
             k, v = torch.cat([pk, k]), torch.cat([pv, v])
         m = P + e - s
         kpos = torch.arange(m, device=qkv.device)
-        k = rope(k, cos[kpos], sin[kpos])
         if last_only:
             q = q[-1:]
         qpos = kpos[m - q.shape[0]:]
-        q = rope(q, cos[qpos], sin[qpos])
         mask = kpos[None, :] <= qpos[:, None]
         if window is not None:
             mask &= kpos[None, :] > qpos[:, None] - window

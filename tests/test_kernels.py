@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton")
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
+from policyscan.kernels.rope import rope_qk  # noqa: E402
 
 CPU = pytest.param("cpu", id="interp")
 GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
@@ -87,32 +88,52 @@ def test_prologue(device, kind):
             check(s, rs, e64[2], what + " s", factor=4.0)
 
 
+def rope_tables(positions: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = torch.outer(torch.arange(positions, dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_qk(device, qk_norm):
+    g = gen()
+    shape, dtype, T = (AttnShape(6, 2, 20), torch.float32, 37) if device == "cpu" else \
+        (AttnShape(24, 8, 128), torch.bfloat16, 1001)
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype).to(device)
+    positions = torch.randint(0, 3000, (T,), generator=g).to(device)
+    cos, sin = rope_tables(3000, D, device)
+    qn = kn = None
+    if qk_norm:
+        qn, kn = ((1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(device) for _ in range(2))
+    out = rope_qk(qkv.clone(), positions, cos, sin, shape, qn, kn, 1e-6)
+    same = reference.rope_qk(qkv.clone(), positions, cos, sin, shape, qn, kn, 1e-6)
+    up = (None if t is None else t.double() for t in (qn, kn))
+    ref64 = reference.rope_qk(qkv.double(), positions, cos, sin, shape, *up, 1e-6)
+    assert torch.equal(out[:, (H + Hkv) * D:], qkv[:, (H + Hkv) * D:]), "v must be untouched"
+    check(out, same, ref64, f"rope_qk qk_norm={qk_norm} {dtype}")
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("last_only", [False, True])
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_varlen_attention(device, window, last_only, qk_norm):
+def test_varlen_attention(device, window, last_only):
+    """Odd lengths, length 1, and an empty sequence (how CUDA-graph padding looks)."""
     g = gen()
     if device == "cpu":
-        lengths, shape, dtype = [1, 7, 33, 64, 20, 3], AttnShape(6, 2, 20), torch.float32
+        lengths, shape, dtype = [1, 7, 33, 0, 64, 20, 3], AttnShape(6, 2, 20), torch.float32
     else:
-        lengths, shape, dtype = [1, 700, 257, 64, 1500, 3, 130], AttnShape(24, 8, 128), torch.bfloat16
+        lengths, shape, dtype = [1, 700, 257, 64, 0, 1500, 3, 130], AttnShape(24, 8, 128), torch.bfloat16
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = sum(lengths)
     cu = packed(lengths, device)
     qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype).to(device)
-    ang = torch.outer(torch.arange(max(lengths), dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
-    cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
-    qn = kn = None
-    if qk_norm:
-        qn, kn = ((1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(device) for _ in range(2))
-    args = (cu, cos, sin, shape, D ** -0.5, window, qn, kn, 1e-6, last_only, max(lengths))
+    args = (cu, shape, D ** -0.5, window, last_only, max(lengths))
     out = torch.full((len(lengths) if last_only else T, H * D), float("nan"), dtype=dtype, device=device)
     varlen_attention(qkv, *args, out=out)
     same = reference.varlen_attention(qkv, *args)
-    up = (None if t is None else t.double() for t in (qn, kn))
-    ref64 = reference.varlen_attention(qkv.double(), cu, cos, sin, shape, D ** -0.5, window, *up, 1e-6, last_only)
-    check(out, same, ref64, f"attention window={window} last_only={last_only} qk_norm={qk_norm} {dtype}")
+    ref64 = reference.varlen_attention(qkv.double(), *args)
+    check(out, same, ref64, f"attention window={window} last_only={last_only} {dtype}")
 
 
 @pytest.mark.gpu
@@ -149,10 +170,7 @@ def test_attention_prefix_cache_is_bitwise_recompute(device, last_only):
     qkv = torch.cat(own_rows).to(device)
     full = torch.cat([torch.cat([pre_rows[j], r]) for j, r in zip(seq_pre, own_rows)]).to(device)
     full_len = [prefixes[j] + n for j, n in zip(seq_pre, own)]
-    positions = max(own) + max(prefixes)  # the launcher checks the table against the longest own + prefix
-    ang = torch.outer(torch.arange(positions, dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
-    cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
-    common = (cos, sin, shape, D ** -0.5, None, None, None, 1e-6, last_only)
+    common = (shape, D ** -0.5, None, last_only)
     own_idx = torch.cat([torch.arange(s + p, s + p + n) for s, p, n in
                          zip(torch.tensor([0] + full_len).cumsum(0).tolist(), [prefixes[j] for j in seq_pre], own)])
     # the twin is row-invariant by construction on the CPU only (cuBLAS makes no such promise)
