@@ -19,6 +19,7 @@ from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
 from policyscan.kernels.reference import AttnShape, quantize_rows  # noqa: E402
+from policyscan.kernels.rope import rope_qk  # noqa: E402
 
 T = 16384
 
@@ -62,15 +63,21 @@ def sweep_gemm() -> None:
         bare = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=xs[:, None], scale_b=ws[None, :],
                                               out_dtype=torch.bfloat16))
         best = None
-        for bm, bn, nw, ns, gm in [(128, 256, 8, 3, 8), (128, 256, 8, 4, 8), (128, 128, 8, 4, 8), (128, 128, 4, 4, 8),
-                                   (256, 128, 8, 3, 8), (128, 256, 8, 3, 16), (64, 256, 4, 4, 8)]:
-            cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, GROUP_M=gm)
+        fl = 2 * T * N * K
+        base = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16))
+        best = None
+        for (bm, bn, nw, ns, gm), tma, pers in itertools.product(
+                [(128, 256, 8, 3, 8), (128, 256, 8, 4, 8), (128, 128, 8, 4, 8), (128, 128, 4, 4, 8),
+                 (256, 128, 8, 3, 8), (128, 256, 8, 3, 16)], [False, True], [False, True]):
+            if pers and not tma:
+                continue
+            cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, GROUP_M=gm, TMA=tma, PERSISTENT=pers)
             t = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, config=cfg))
+            print(f"    gemm N={N} K={K} {cfg}: {fl / t / 1e9:.0f} TF/s")
             if best is None or t < best[0]:
                 best = (t, cfg)
-        fl = 2 * T * N * K
-        print(f"gemm N={N} K={K}: best {best[0] * 1e3:.0f} us ({fl / best[0] / 1e9:.0f} TF/s) {best[1]}; "
-              f"_scaled_mm {bare * 1e3:.0f} us ({fl / bare / 1e9:.0f} TF/s)")
+        print(f"gemm N={N} K={K}: default {fl / base / 1e9:.0f} TF/s; best {best[0] * 1e3:.0f} us "
+              f"({fl / best[0] / 1e9:.0f} TF/s) {best[1]}; _scaled_mm {bare * 1e3:.0f} us ({fl / bare / 1e9:.0f} TF/s)")
 
 
 def sweep_attention() -> None:
@@ -84,19 +91,22 @@ def sweep_attention() -> None:
     qkv = torch.randn(int(cu[-1]), 40 * 128, device="cuda", generator=g).bfloat16()
     ang = torch.outer(torch.arange(4096, dtype=torch.float64), 1.0 / 5e5 ** (torch.arange(0, 128, 2) / 128))
     cos, sin = ang.cos().float().cuda(), ang.sin().float().cuda()
+    pos = torch.cat([torch.arange(int(n)) for n in lens]).cuda()
+    t_rope = timed(lambda: rope_qk(qkv, pos, cos, sin, shape))
+    fl = 4 * sum(int(n) * (int(n) + 1) / 2 for n in lens) * 24 * 128
+    base = timed(lambda: varlen_attention(qkv, cu, shape, 128 ** -0.5))
     best = None
-    for bm, bn, nw, ns in itertools.product([64, 128], [32, 64], [4, 8], [2, 3]):
+    for bm, bn, nw, ns in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3]):
         cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns)
-        t = timed(lambda: varlen_attention(qkv, cu, cos, sin, shape, 128 ** -0.5, max_seqlen=int(max(lens)),
-                                           config=cfg))
+        t = timed(lambda: varlen_attention(qkv, cu, shape, 128 ** -0.5, config=cfg))
         if best is None or t < best[0]:
             best = (t, cfg)
-    fl = 4 * sum(int(n) * (int(n) + 1) / 2 for n in lens) * 24 * 128
-    print(f"attention {int(cu[-1])} tokens, {len(lens)} seqs: best {best[0] * 1e3:.0f} us "
-          f"({fl / best[0] / 1e9:.0f} TF/s) {best[1]}")
+    print(f"rope_qk {int(cu[-1])} tokens: {t_rope * 1e3:.0f} us")
+    print(f"attention {int(cu[-1])} tokens, {len(lens)} seqs: default {base * 1e3:.0f} us "
+          f"({fl / base / 1e9:.0f} TF/s); best {best[0] * 1e3:.0f} us ({fl / best[0] / 1e9:.0f} TF/s) {best[1]}")
 
 
 if __name__ == "__main__":
-    sweep_prologue()
-    sweep_gemm()
-    sweep_attention()
+    only = sys.argv[1:] or ["prologue", "gemm", "attention"]
+    for name in only:
+        globals()[f"sweep_{name}"]()

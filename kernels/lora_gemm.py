@@ -18,41 +18,26 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
-def _lora_gemm_kernel(
-    x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
-    M, N, K, R,
-    stride_xm, stride_wn, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
-    HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU_OUT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    pid = tl.program_id(0)
+def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped tile order: neighbouring programs share W tiles in L2."""
     num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    # grouped tile order: neighbouring programs share W tiles in L2
     group = pid // (GROUP_M * num_n)
     first_m = group * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    return first_m + (pid % (GROUP_M * num_n)) % size_m, (pid % (GROUP_M * num_n)) // size_m
 
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
+
+@triton.jit
+def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+              stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
+              HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+              SILU_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+    """Scales, the multi-LoRA expand, bias, residual, SiLU-and-mul and the store of one [BM, BN] tile."""
     m_ok, n_ok = rm < M, rn < N
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
-        k_ok = rk < K - k * BK
-        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-        x_ptrs += BK
-        w_ptrs += BK
     if HAS_SCALE:
         xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
         ws = tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
@@ -86,6 +71,63 @@ def _lora_gemm_kernel(
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _lora_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+    M, N, K, R,
+    stride_xm, stride_wn, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
+    HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    SILU_OUT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok, n_ok = rm < M, rn < N
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        k_ok = rk < K - k * BK
+        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        x_ptrs += BK
+        w_ptrs += BK
+    _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+              stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
+              HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, BM, BN, BR, PREC)
+
+
+@triton.jit
+def _lora_gemm_tma_kernel(
+    x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+    M, N, K, R,
+    stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
+    HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    SILU_OUT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
+    PREC: tl.constexpr, NUM_PROGS: tl.constexpr,
+):
+    """The same tiles fed by TMA (tensor descriptors; out-of-bounds reads are zeros), each program walking
+    tiles pid, pid + NUM_PROGS, ... (persistent when NUM_PROGS is the SM count)."""
+    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
+        pid_m, pid_n = _tile(tile, M, N, BM, BN, GROUP_M)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            a = x_desc.load([pid_m * BM, k * BK])
+            b = w_desc.load([pid_n * BN, k * BK])
+            acc = tl.dot(a, b.T, acc, input_precision=PREC)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+                  stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
+                  HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, BM, BN, BR, PREC)
+
+
 def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict:
     """Tile shape. BK is fixed per dtype: it sets the order of the K reduction, so a row's result is the
     same whatever the batch (checked bitwise by test_lora_gemm_rows_do_not_depend_on_batch). BM/BN only
@@ -102,6 +144,10 @@ def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict
     if M <= 2048:
         return dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4)
     return dict(BM=128, BN=128 if N >= 2048 else 64, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def _sm_count(device: torch.device) -> int:
+    return 4 if device.type == "cpu" else torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
@@ -138,9 +184,25 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     if M == 0:
         return y
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
-    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+    tma, persistent = cfg.pop("TMA", False), cfg.pop("PERSISTENT", False)
+    tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     dummy = y
-    _lora_gemm_kernel[grid](
+    if tma:
+        progs = min(tiles, _sm_count(x.device)) if persistent else tiles
+        xd = TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]])
+        wd = TensorDescriptor.from_tensor(W, [cfg["BN"], cfg["BK"]])
+        _lora_gemm_tma_kernel[(progs,)](
+            xd, wd, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
+            s if s is not None else dummy, B if B is not None else dummy,
+            token_adapter, bias if bias is not None else dummy, residual if residual is not None else dummy,
+            M, N, K, R, y.stride(0),
+            s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0,
+            B.stride(1) if B is not None else 0, residual.stride(0) if residual is not None else 0,
+            HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None, SILU_OUT=silu_out, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            BR=max(16, triton.next_power_of_2(max(R, 1))), NUM_PROGS=progs, **cfg)
+        return y
+    _lora_gemm_kernel[(tiles,)](
         x, W, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
         s if s is not None else dummy, B if B is not None else dummy,
         token_adapter, bias if bias is not None else dummy, residual if residual is not None else dummy,
