@@ -19,9 +19,12 @@ from workloads import WORKLOADS, prompts, random_decoder, shape  # noqa: E402
 
 from policyscan.engine.batch import pack  # noqa: E402
 from policyscan.engine.batcher import plan_batches  # noqa: E402
+from policyscan.engine.graphs import GraphedForward  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402
 
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: a dry run of this script
+GRAPHS: dict = {}    # the Engine keeps one GraphedForward (and one prefix cache) per loaded model
+PREFIXES: dict = {}
 FP8_TFLOPS = (1238.0, 1462.0)  # measured torch._scaled_mm rates on this H200 (DESIGN.md)
 
 
@@ -30,47 +33,64 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def engine_pass(dec, seqs, ads, budget: int, prefixes=None, cache: bool = True) -> np.ndarray:
-    """Token ids in, f out, as Engine._run does it; with prefixes, cached (or prepended when cache=False)."""
+def engine_pass(dec, seqs, ads, budget: int, prefixes=None, cache: bool = True, graphs: bool = True) -> np.ndarray:
+    """Token ids in, f out, as Engine._run does it (CUDA graphs for batches of <= 4096 tokens unless
+    graphs=False); with prefixes, cached (or prepended when cache=False)."""
     ads_np = np.array(ads)
     prefix = None
     if prefixes and any(prefixes):
         if cache:
-            with torch.inference_mode():
-                prefix = dec.prefill_prefixes(prefixes)  # once per run, counted in the time
+            if id(dec) not in PREFIXES:  # once per decoder, as the Engine does at load (a few ms)
+                with torch.inference_mode():
+                    PREFIXES.clear()
+                    PREFIXES[id(dec)] = dec.prefill_prefixes(prefixes)
+            prefix = PREFIXES[id(dec)]
         else:
             seqs = [prefixes[a] + s for s, a in zip(seqs, ads)]
     lengths = np.array([len(s) for s in seqs])
     outs = []
     with torch.inference_mode():
+        if graphs and DEVICE == "cuda":
+            key = (id(dec), prefix is not None, budget)  # one set of graphs per decoder, as the Engine keeps
+            if key not in GRAPHS:
+                GRAPHS.clear()
+                dec.rope_tables(2048 + (prefix.longest if prefix is not None else 0))
+                GRAPHS[key] = GraphedForward(dec, prefix, max_tokens=min(4096, budget))
+            forward = GRAPHS[key]
+        else:
+            forward = lambda b: dec.forward(b.to(DEVICE), prefix)  # noqa: E731
         for plan in plan_batches(lengths, ads_np, budget):
             b = pack([seqs[i] for i in plan.items], ads_np[plan.items].tolist())
-            outs.append((plan.items, dec.forward(b.to(DEVICE), prefix)))
+            outs.append((plan.items, forward(b)))
         f = np.empty(len(seqs), dtype=np.float32)
         for items, v in outs:
             f[items] = v.float().cpu().numpy()
     return f
 
 
-def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True) -> dict:
+def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, graphs: bool = True) -> dict:
     w = WORKLOADS[name]
     cfg = shape(w.model)
     dec = random_decoder(cfg, w.adapters, 16, triton_ops, device=DEVICE, fp8=fp8)
     seqs, ads, prefixes = prompts(w, cfg.vocab)
     tokens = sum(map(len, seqs)) + sum(len(prefixes[a]) for a in ads)  # all prompt tokens, cached or not
-    engine_pass(dec, seqs[: 4 * w.adapters], ads[: 4 * w.adapters], budget, prefixes, cache)  # compile
-    engine_pass(dec, seqs, ads, budget, prefixes, cache)  # warm every batch size once
+    engine_pass(dec, seqs[: 4 * w.adapters], ads[: 4 * w.adapters], budget, prefixes, cache, graphs)  # compile
+    engine_pass(dec, seqs, ads, budget, prefixes, cache, graphs)  # warm every batch size once
     sync()
     t0 = time.perf_counter()
-    engine_pass(dec, seqs, ads, budget, prefixes, cache)
+    engine_pass(dec, seqs, ads, budget, prefixes, cache, graphs)
     sync()
     dt = time.perf_counter() - t0
     params = cfg.layers * sum(o * i for o, i in (cfg.proj_shape(p) for p in
                               ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
     ceiling = tokens / (2 * params * tokens / (FP8_TFLOPS[1] * 1e12))
     del dec
+    GRAPHS.clear()
+    PREFIXES.clear()
     torch.cuda.empty_cache()
-    return {"workload": name + ("" if cache or not w.prefix else " no-cache"), "tokens": tokens, "seconds": dt,
+    label = name + ("" if cache or not w.prefix else " no-cache") + \
+        (f" @{budget}" if budget != 16384 else "") + ("" if graphs else " eager")
+    return {"workload": label, "tokens": tokens, "seconds": dt,
             "tok_s": tokens / dt, "fp8": fp8,
             "ceiling_tok_s": ceiling, "of_ceiling": tokens / dt / ceiling}
 
@@ -88,6 +108,8 @@ def profile_engine(name: str, budget: int) -> str:
         engine_pass(dec, seqs, ads, budget, prefixes)
         torch.cuda.synchronize()
     del dec
+    GRAPHS.clear()
+    PREFIXES.clear()
     torch.cuda.empty_cache()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
 
@@ -205,6 +227,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-cache", action="store_true", help="also run W2 with prefixes recomputed")
     ap.add_argument("--profile", default=None, help="print per-kernel times for this workload")
+    ap.add_argument("--graphs", default=None, help="W1/W4 at this small budget, with and without CUDA graphs")
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__}
     if args.profile:
@@ -216,6 +239,10 @@ def main() -> None:
         res["engine"].append(bench_engine("W1", args.budget, fp8=False))
     if args.no_cache:
         res["engine"].append(bench_engine("W2", args.budget, cache=False))
+    if args.graphs:
+        for w in ("W4", "W1"):
+            for graphs in (True, False):
+                res["engine"].append(bench_engine(w, int(args.graphs), graphs=graphs))
     res["baseline"] = [bench_hf(w) for w in filter(None, args.baseline.split(","))]
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

@@ -12,6 +12,7 @@ from .batch import pack
 from .batcher import plan_batches
 from .checkpoint import Checkpoint
 from .errors import PolicyscanError
+from .graphs import GraphedForward
 from .loader import attach_policies, load_decoder
 from .policy import Policy
 from .prompts import PromptBuilder, TextEncoder
@@ -34,6 +35,7 @@ class EngineSettings:
     batch_tokens: int = 16384
     max_length: int = 2048
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
+    cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/graphs.py)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -81,6 +83,7 @@ class Engine:
         if settings.prefix_cache:
             with torch.inference_mode():
                 self._prefix = self.decoder.prefill_prefixes([b.head for b in self.builders])
+        self._graphs: dict[bool, GraphedForward] = {}
 
     def score(self, prompts: list[list[int]], adapters: list[int] | np.ndarray) -> np.ndarray:
         """f (float32) for each prompt, in the order given; prompts are token-id lists, adapters index policies."""
@@ -105,14 +108,25 @@ class Engine:
                           self._prefix)
         return f.reshape(n, k), int(lengths.sum()), truncated
 
+    def _forward(self, prefix):
+        """Host batch -> f on the device: through CUDA graphs for small batches on a GPU, else eagerly."""
+        if self.device.type != "cuda" or not self.settings.cuda_graphs:
+            return lambda batch: self.decoder.forward(batch.to(self.device), prefix)
+        key = prefix is not None
+        if key not in self._graphs:
+            self.decoder.rope_tables(self.settings.max_length + (prefix.longest if prefix is not None else 0))
+            self._graphs[key] = GraphedForward(self.decoder, prefix, max_tokens=min(4096, self.settings.batch_tokens))
+        return self._graphs[key]
+
     def _run(self, lengths: np.ndarray, adapters: np.ndarray, prompt, prefix=None) -> np.ndarray:
         f = np.empty(len(lengths), dtype=np.float32)
         pending = []
+        forward = self._forward(prefix)
         with torch.inference_mode():
             for plan in plan_batches(lengths, adapters, self.settings.batch_tokens):
                 batch = pack([prompt(i, adapters[i]) for i in plan.items.tolist()], adapters[plan.items].tolist())
                 # no copy back per batch: the host packs the next batch while the GPU runs this one
-                pending.append((plan.items, self.decoder.forward(batch.to(self.device), prefix)))
+                pending.append((plan.items, forward(batch)))
             for items, out in pending:
                 f[items] = out.cpu().numpy()
         return f
