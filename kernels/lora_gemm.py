@@ -130,20 +130,27 @@ def _lora_gemm_tma_kernel(
 
 def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict:
     """Tile shape. BK is fixed per dtype: it sets the order of the K reduction, so a row's result is the
-    same whatever the batch (checked bitwise by test_lora_gemm_rows_do_not_depend_on_batch). BM/BN only
-    choose which rows and columns share a program: 128x256x128, 8 warps, 3 stages matched
-    torch._scaled_mm at the W1 shapes (DESIGN.md); at a few hundred rows it left most of the 132 SMs idle
-    (36 tiles at M=300, N=3072: 2.9x bare _scaled_mm), so small M gets 64x128 tiles."""
+    same whatever the batch (checked bitwise by test_lora_gemm_rows_do_not_depend_on_batch). BM/BN and the
+    feed (pointers or TMA, persistent or not) only choose which rows and columns share a program.
+
+    Large M: TMA-fed, persistent, 128x256x128, 8 warps, 3 stages, best at all four W1 shapes at 16k rows
+    (bench/sweep.py, run 7): 1068 / 969 / 1073 / 1155 TF/s for N,K = 5120,3072 / 3072,3072 / 16384,3072 /
+    3072,8192, against 1035 / 802 / 1023 / 953 for the pointer-fed kernel this replaced (which also used
+    128-wide N tiles below N=4096) and 1132 / 1087 / 1140 / 1197 for torch._scaled_mm. Small M: 128x256 tiles
+    leave most of the 132 SMs idle (36 tiles at M=300, N=3072: 2.9x bare _scaled_mm, run 1), so 64x128."""
     if interpret:
         return dict(BM=16, BN=32, BK=32, GROUP_M=4, num_warps=4, num_stages=1)
-    if dtype == torch.float8_e4m3fn:
-        if M <= 2048:
-            return dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=4)
-        bn = 256 if N >= 4096 else 128
-        return dict(BM=128, BN=bn, BK=128, GROUP_M=8, num_warps=8, num_stages=3 if bn == 256 else 4)
+    bk = 128 if dtype == torch.float8_e4m3fn else 64
     if M <= 2048:
-        return dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BM=128, BN=128 if N >= 2048 else 64, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BM=64, BN=128, BK=bk, GROUP_M=8, num_warps=4, num_stages=4)
+    if dtype == torch.float8_e4m3fn:
+        return dict(BM=128, BN=256, BK=bk, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSISTENT=True)
+    return dict(BM=128, BN=128 if N >= 2048 else 64, BK=bk, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -184,7 +191,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     if M == 0:
         return y
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
-    tma, persistent = cfg.pop("TMA", False), cfg.pop("PERSISTENT", False)
+    tma, persistent = cfg.pop("TMA", False) and _tma_ok(x, W), cfg.pop("PERSISTENT", False)
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     dummy = y
     if tma:

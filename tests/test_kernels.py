@@ -20,7 +20,11 @@ from policyscan.kernels.rope import rope_qk  # noqa: E402
 CPU = pytest.param("cpu", id="interp")
 GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
 GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75, 72, 96, 64, 128)]
-GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5), (513, 3072, 8192, 1, 64)]
+GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5), (513, 3072, 8192, 1, 64),
+                   (4099, 3072, 3072, 16, 8)]
+# pointer-fed, TMA-fed, TMA-fed persistent (with fewer programs than tiles); TMA falls back to pointers
+# where a row stride is not 16-byte aligned (K=33, 45 in fp32)
+FEEDS = [{}, {"TMA": True}, {"TMA": True, "PERSISTENT": True}]
 
 
 def gen(seed=None) -> torch.Generator:
@@ -42,11 +46,13 @@ def test_lora_gemm(device, residual, bias, silu):
         N += N % 2 if silu else 0  # gate and up halves
         for dtype, fp8 in variants(device):
             case, _ = gemm_case(M, N, K, r, n_ad, dtype, fp8, residual, bias, g, device)
-            out = torch.full((M, N // 2 if silu else N), float("nan"), dtype=dtype, device=device)
-            lora_gemm(**case, out_dtype=dtype, silu_out=silu, out=out)
             same = reference.lora_gemm(**case, out_dtype=dtype, silu_out=silu)
             ref64 = reference.lora_gemm(**up64(case), out_dtype=torch.float64, silu_out=silu)
-            check(out, same, ref64, f"lora_gemm M={M} N={N} K={K} r={r} n={n_ad} {dtype} fp8={fp8} silu={silu}")
+            for feed in FEEDS:
+                out = torch.full((M, N // 2 if silu else N), float("nan"), dtype=dtype, device=device)
+                lora_gemm(**case, out_dtype=dtype, silu_out=silu, out=out, config=feed)
+                check(out, same, ref64, f"lora_gemm M={M} N={N} K={K} r={r} n={n_ad} {dtype} fp8={fp8} silu={silu} "
+                                        f"{feed}")
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
