@@ -48,7 +48,8 @@ def test_lora_gemm(device, residual, bias, silu):
             case, _ = gemm_case(M, N, K, r, n_ad, dtype, fp8, residual, bias, g, device)
             same = reference.lora_gemm(**case, out_dtype=dtype, silu_out=silu)
             ref64 = reference.lora_gemm(**up64(case), out_dtype=torch.float64, silu_out=silu)
-            for feed in FEEDS:
+            # on the GPU each feed is a compile per variant: every feed for the plain epilogue, the default otherwise
+            for feed in FEEDS if device == "cpu" or not (residual or bias) else [{}]:
                 out = torch.full((M, N // 2 if silu else N), float("nan"), dtype=dtype, device=device)
                 lora_gemm(**case, out_dtype=dtype, silu_out=silu, out=out, config=feed)
                 check(out, same, ref64, f"lora_gemm M={M} N={N} K={K} r={r} n={n_ad} {dtype} fp8={fp8} silu={silu} "
