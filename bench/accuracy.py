@@ -1,7 +1,9 @@
 """Accuracy on the W4 (Llama-3.2-1B) shape: the GPU engine (bf16, FP8) and the CPU reference against
 transformers + PEFT, same random checkpoint, same adapters, same token ids.
 
-    python bench/accuracy.py   (on the GPU machine; writes a checkpoint to /tmp)"""
+    python bench/accuracy.py         (on the GPU machine; writes a checkpoint to /tmp)
+    python bench/accuracy.py cpu     (CPU only: fp32 and the W8A8 twin, the FP8 error the same-precision
+                                      torch computation makes; another random model, CPU RNG)"""
 from __future__ import annotations
 
 import json
@@ -23,7 +25,7 @@ LABELS = [(11, 13), (21, 23), (31, 37)]
 LENGTHS = [1, 17, 64, 200, 333, 100, 5, 250, 48]
 
 
-def build(root: Path) -> list[Path]:
+def build(root: Path, device: str) -> list[Path]:
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
@@ -34,7 +36,7 @@ def build(root: Path) -> list[Path]:
                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                           "original_max_position_embeddings": 8192})
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(root / "model")
     dirs = []
@@ -52,35 +54,46 @@ def build(root: Path) -> list[Path]:
                                                                                             "violation": "b"}}))
         dirs.append(root / f"p{i}")
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return dirs
 
 
-def ours(model_dir: Path, dirs: list[Path], seqs, ads, device: str, dtype, fp8: bool) -> torch.Tensor:
-    from policyscan.kernels import reference, triton_ops
+def ours(model_dir: Path, dirs: list[Path], seqs, ads, device: str, dtype, fp8: bool, w8a8: bool) -> torch.Tensor:
+    from policyscan.kernels import reference
 
-    ops = triton_ops if device == "cuda" else reference
-    dec = load_decoder(Checkpoint.open(model_dir), ops, device, dtype, fp8=fp8, w8a8=fp8 and device == "cuda")
+    if device == "cuda":
+        from policyscan.kernels import triton_ops as ops
+    else:
+        ops = reference
+    dec = load_decoder(Checkpoint.open(model_dir), ops, device, dtype, fp8=fp8, w8a8=w8a8)
     attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
     with torch.inference_mode():
         f = dec.forward(pack(seqs, ads).to(device)).double().cpu()
     del dec
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return f
 
 
 def main() -> None:
+    dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
     root = Path(tempfile.mkdtemp())
-    dirs = build(root)
+    dirs = build(root, dev)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 128256, (n,), generator=g).tolist() for n in LENGTHS]
     ads = sorted(i % 3 for i in range(len(seqs)))
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref = hf_scores(root / "model", dirs, seqs, ads, LABELS, torch.float32, "cuda")  # fp32, no TF32: the reference
-    rows = {"HF + PEFT bf16": hf_scores(root / "model", dirs, seqs, ads, LABELS, torch.bfloat16, "cuda"),
-            "policyscan CPU fp32": ours(root / "model", dirs, seqs, ads, "cpu", torch.float32, False),
-            "policyscan GPU bf16": ours(root / "model", dirs, seqs, ads, "cuda", torch.bfloat16, False),
-            "policyscan GPU FP8": ours(root / "model", dirs, seqs, ads, "cuda", torch.bfloat16, True)}
+    ref = hf_scores(root / "model", dirs, seqs, ads, LABELS, torch.float32, dev)  # fp32, no TF32: the reference
+    m = root / "model"
+    if dev == "cuda":
+        rows = {"HF + PEFT bf16": hf_scores(m, dirs, seqs, ads, LABELS, torch.bfloat16, "cuda"),
+                "policyscan CPU fp32": ours(m, dirs, seqs, ads, "cpu", torch.float32, False, False),
+                "policyscan GPU bf16": ours(m, dirs, seqs, ads, "cuda", torch.bfloat16, False, False),
+                "policyscan GPU FP8": ours(m, dirs, seqs, ads, "cuda", torch.bfloat16, True, True)}
+    else:  # the W8A8 twin: the GPU FP8 path's quantization of weights and activations, in torch on the CPU
+        rows = {"policyscan CPU fp32": ours(m, dirs, seqs, ads, "cpu", torch.float32, False, False),
+                "policyscan CPU W8A8 twin": ours(m, dirs, seqs, ads, "cpu", torch.bfloat16, True, True)}
     print(f"W4 shape, {len(seqs)} sequences ({sum(LENGTHS)} tokens), 3 adapters; reference: HF + PEFT fp32, "
           f"|f| mean {ref.abs().mean():.3f}")
     for name, f in rows.items():

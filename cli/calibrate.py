@@ -41,7 +41,7 @@ from .common import clip_chars, default_model, engine_options, friendly_errors, 
 @engine_options
 @friendly_errors
 def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry_run, model, text_column,
-              messages_column, id_column, device, precision, batch_tokens, max_length) -> None:
+              messages_column, id_column, device, precision, batch_tokens, max_length, cuda_graphs) -> None:
     """Fit p = sigmoid(a*f + b) for one policy (Platt, Newton with line search) and record it in policy.json."""
     policy = load_policy(policy_dir)
     files = expand_inputs(list(labeled))
@@ -49,7 +49,8 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         ids, f, raw_labels = _from_scores(files, policy.name, label_column)
         label_col = label_column or "label"
     else:
-        engine = Engine(model or default_model(), [policy], EngineSettings(device, precision, batch_tokens, max_length))
+        settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs)
+        engine = Engine(model or default_model(), [policy], settings)
         spec = ReadSpec(text_column, messages_column, id_column, max_chars=clip_chars(max_length))
         ids, f, raw_labels, label_col = _score(engine, files, spec, label_column)
     y, bad = parse_labels(raw_labels, policy.compliant, policy.violation)

@@ -40,7 +40,7 @@ from .common import (EXIT_OK, clip_chars, EXIT_ROW_ERRORS, default_model, defaul
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @friendly_errors
 def score(inputs, output, model, policies, text_column, messages_column, id_column, keep, fmt, layout, raw,
-          errors_path, strict, device, precision, batch_tokens, max_length, no_progress) -> None:
+          errors_path, strict, device, precision, batch_tokens, max_length, cuda_graphs, no_progress) -> None:
     """Score INPUT files (Parquet, JSONL, JSONL.gz; files, directories or globs) against every policy.
 
     Exit status: 0 all rows scored, 3 finished with rows in the errors file, 2 usage error, 1 failure."""
@@ -51,7 +51,7 @@ def score(inputs, output, model, policies, text_column, messages_column, id_colu
     if errors_path and per_input:
         raise click.UsageError("--errors names one file; with -o DIR each input's errors go beside its output")
     engine = Engine(model or default_model(), load_policies(list(policies) or list(default_policies())),
-                    EngineSettings(device, precision, batch_tokens, max_length))
+                    EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs))
     click.echo(f"policyscan: {len(engine.policies)} policies ({', '.join(p.name for p in engine.policies)}) on "
                f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, {engine.device}]",
                err=True)

@@ -43,7 +43,7 @@ def verify(output: str, sample: int, device: str | None) -> None:
     s = meta["settings"]
     engine = Engine(meta["model"]["path"], policies,
                     EngineSettings(device or str(meta["device"]).split(":")[0], meta["precision"],
-                                   s["batch_tokens"], s["max_length"]))
+                                   s["batch_tokens"], s["max_length"], cuda_graphs=s.get("cuda_graphs", True)))
     stored = _stored(out, meta, [p.name for p in policies])
     ids = sorted(stored, key=lambda i: hashlib.sha256(str(i).encode()).digest())[:sample]
     texts = _find(meta, set(ids), engine)

@@ -39,8 +39,19 @@ def test_sample_parquet_wide_with_metadata(tmp_path):
     assert {p["name"] for p in meta["policies"]} == {"pii", "investment_advice"}
     assert len(meta["model"]["sha256"]) == 64 and meta["inputs"][0]["sha256"]
     assert "rows in 200 = scored 200 + in errors 0 (balanced)" in res.output
+    assert meta["settings"]["cuda_graphs"] is True
     assert not list(tmp_path.glob(".*tmp*"))
     assert not (tmp_path / "s.parquet.errors.jsonl").exists()
+
+
+def test_no_cuda_graphs_is_recorded_and_scores_the_same(tmp_path):
+    """The escape hatch: accepted everywhere (the CPU has no graphs), recorded, same numbers."""
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    run("score", SAMPLE / "conversations.parquet", "-o", a, "--raw", "--no-progress", "--max-length", "256")
+    run("score", SAMPLE / "conversations.parquet", "-o", b, "--raw", "--no-progress", "--max-length", "256",
+        "--no-cuda-graphs")
+    assert read_metadata(b)["settings"]["cuda_graphs"] is False
+    assert pq.read_table(a).equals(pq.read_table(b))
 
 
 def test_jsonl_long_layout_keep_and_errors(tmp_path):
