@@ -50,61 +50,45 @@ def sweep_prologue() -> None:
               f"({nbytes / best[0] / 1e9:.2f} TB/s of one pass)")
 
 
-def sweep_gemm() -> None:
+W1_SHAPES = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]  # qkv, o, gate_up, down: (N, K)
+FEEDS = [{}, {"TMA": True}, {"TMA": True, "PERSISTENT": True}]
+
+
+def _gemm_configs(M: int, tiles: list[tuple[int, int, int, int, int]], residual: bool) -> None:
+    """Every (tile, feed) at M rows on the four W1 shapes, against the default and torch._scaled_mm."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    ad = torch.sort(torch.randint(0, 8, (T,), device="cuda", generator=g).int()).values
-    for N, K in [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]:
-        x8, xs = quantize_rows(torch.randn(T, K, device="cuda", generator=g).bfloat16())
+    ad = torch.sort(torch.randint(0, 8, (M,), device="cuda", generator=g).int()).values
+    for N, K in W1_SHAPES:
+        x8, xs = quantize_rows(torch.randn(M, K, device="cuda", generator=g).bfloat16())
         w8, ws = quantize_rows(torch.randn(N, K, device="cuda", generator=g).bfloat16())
-        R = 48
-        B = (torch.randn(8, N, R, device="cuda", generator=g) * 0.01).bfloat16()
-        s = torch.randn(T, R, device="cuda", generator=g)
-        res = torch.randn(T, N, device="cuda", generator=g).bfloat16() if N == 3072 else None
+        B = (torch.randn(8, N, 48, device="cuda", generator=g) * 0.01).bfloat16()
+        s = torch.randn(M, 48, device="cuda", generator=g)
+        res = torch.randn(M, N, device="cuda", generator=g).bfloat16() if residual and N == 3072 else None
+        fl = 2 * M * N * K
         bare = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=xs[:, None], scale_b=ws[None, :],
                                               out_dtype=torch.bfloat16))
-        best = None
-        fl = 2 * T * N * K
         base = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16))
         best = None
-        for (bm, bn, nw, ns, gm), tma, pers in itertools.product(
-                [(128, 256, 8, 3, 8), (128, 256, 8, 4, 8), (128, 128, 8, 4, 8), (128, 128, 4, 4, 8),
-                 (256, 128, 8, 3, 8), (128, 256, 8, 3, 16)], [False, True], [False, True]):
-            if pers and not tma:
-                continue
-            cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, GROUP_M=gm, TMA=tma, PERSISTENT=pers)
+        for (bm, bn, nw, ns, gm), feed in itertools.product(tiles, FEEDS):
+            cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, GROUP_M=gm, **feed)
             t = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, config=cfg))
-            print(f"    gemm N={N} K={K} {cfg}: {fl / t / 1e9:.0f} TF/s")
+            print(f"    gemm M={M} N={N} K={K} {cfg}: {fl / t / 1e9:.0f} TF/s")
             if best is None or t < best[0]:
                 best = (t, cfg)
-        print(f"gemm N={N} K={K}: default {fl / base / 1e9:.0f} TF/s; best {best[0] * 1e3:.0f} us "
+        print(f"gemm M={M} N={N} K={K}: default {fl / base / 1e9:.0f} TF/s; best {best[0] * 1e3:.0f} us "
               f"({fl / best[0] / 1e9:.0f} TF/s) {best[1]}; _scaled_mm {bare * 1e3:.0f} us ({fl / bare / 1e9:.0f} TF/s)")
 
 
+def sweep_gemm() -> None:
+    """Full batches (16k rows; o and down with their residual)."""
+    _gemm_configs(T, [(128, 256, 8, 3, 8), (128, 256, 8, 4, 8), (128, 128, 8, 4, 8), (128, 128, 4, 4, 8),
+                      (256, 128, 8, 3, 8), (128, 256, 8, 3, 16)], residual=True)
+
+
 def sweep_gemm_small() -> None:
-    """Small batches (CUDA-graph buckets, last layers): tile shape and feed at M = 512 and 2048."""
-    g = torch.Generator(device="cuda").manual_seed(0)
+    """Small batches (CUDA-graph buckets, last layers) at M = 512 and 2048."""
     for M in (512, 2048):
-        ad = torch.sort(torch.randint(0, 8, (M,), device="cuda", generator=g).int()).values
-        for N, K in [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]:
-            x8, xs = quantize_rows(torch.randn(M, K, device="cuda", generator=g).bfloat16())
-            w8, ws = quantize_rows(torch.randn(N, K, device="cuda", generator=g).bfloat16())
-            B = (torch.randn(8, N, 48, device="cuda", generator=g) * 0.01).bfloat16()
-            s = torch.randn(M, 48, device="cuda", generator=g)
-            fl = 2 * M * N * K
-            bare = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=xs[:, None], scale_b=ws[None, :],
-                                                  out_dtype=torch.bfloat16))
-            base = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, None, torch.bfloat16))
-            best = None
-            for (bm, bn, nw, ns), feed in itertools.product(
-                    [(64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3)],
-                    [{}, {"TMA": True}, {"TMA": True, "PERSISTENT": True}]):
-                cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, GROUP_M=8, **feed)
-                t = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, None, torch.bfloat16, config=cfg))
-                print(f"    gemm M={M} N={N} K={K} {cfg}: {fl / t / 1e9:.0f} TF/s")
-                if best is None or t < best[0]:
-                    best = (t, cfg)
-            print(f"gemm M={M} N={N} K={K}: default {fl / base / 1e9:.0f} TF/s; best {fl / best[0] / 1e9:.0f} TF/s "
-                  f"{best[1]}; _scaled_mm {fl / bare / 1e9:.0f} TF/s")
+        _gemm_configs(M, [(64, 128, 4, 4, 8), (128, 128, 8, 3, 8), (128, 256, 8, 3, 8)], residual=False)
 
 
 def sweep_attention() -> None:
