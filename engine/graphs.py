@@ -54,17 +54,13 @@ class GraphedForward:
             return self.decoder.forward(batch.to(self.decoder.device), self.prefix)
         key = (_bucket(T, self.min_tokens), _bucket(B + 1, 8))
         g = self.graphs.get(key) or self._capture(*key)
-        _fill(g.batch, batch)
+        fill(g.batch, batch)
         g.graph.replay()
         return g.out[:B].clone()
 
     def _capture(self, T: int, B: int) -> _Graph:
         dev = self.decoder.device
-        static = PackedBatch(torch.zeros(T, dtype=torch.int64, device=dev),
-                             torch.tensor([0] + [T] * B, dtype=torch.int32, device=dev),
-                             torch.full((B,), -1, dtype=torch.int32, device=dev),
-                             torch.arange(T, dtype=torch.int64, device=dev),
-                             torch.full((T,), -1, dtype=torch.int32, device=dev), max_seqlen=T)
+        static = static_batch(T, B, dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # compiles the kernels and sizes the rope tables outside the capture
@@ -78,11 +74,23 @@ class GraphedForward:
         return self.graphs[(T, B)]
 
 
-def _fill(static: PackedBatch, batch: PackedBatch) -> None:
+def static_batch(T: int, B: int, device: torch.device | str) -> PackedBatch:
+    """A graph's input buffers: T tokens in B sequence slots (all tokens in the first, for the capture)."""
+    return PackedBatch(torch.zeros(T, dtype=torch.int64, device=device),
+                       torch.tensor([0] + [T] * B, dtype=torch.int32, device=device),
+                       torch.full((B,), -1, dtype=torch.int32, device=device),
+                       torch.arange(T, dtype=torch.int64, device=device),
+                       torch.full((T,), -1, dtype=torch.int32, device=device), max_seqlen=T)
+
+
+def fill(static: PackedBatch, batch: PackedBatch) -> None:
     """Copy a host batch into a graph's buffers: real tokens first, then one padding sequence of the spare
     tokens (adapter -1, positions from 0), then empty sequences."""
     T, B = batch.ids.numel(), batch.num_seqs
     Tp, Bp = static.ids.numel(), static.num_seqs
+    if T > Tp or B >= Bp:
+        raise ValueError(f"a batch of {T} tokens in {B} sequences does not fit buffers of {Tp} tokens, {Bp} slots "
+                         "(one slot is the padding sequence's)")
     ids = torch.zeros(Tp, dtype=torch.int64)
     ids[:T] = batch.ids
     pos = torch.arange(Tp, dtype=torch.int64) - T
@@ -97,4 +105,4 @@ def _fill(static: PackedBatch, batch: PackedBatch) -> None:
                      (static.cu_seqlens, cu), (static.seq_adapter, seq_ad)):
         # pinned: the copy is queued behind the previous replay without blocking the host (a pageable
         # source would make the host wait for the stream)
-        dst.copy_(src.pin_memory(), non_blocking=True)
+        dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=dst.is_cuda)
