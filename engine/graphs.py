@@ -6,11 +6,12 @@ holding the spare tokens (adapter -1: no LoRA) and empty sequences the spare slo
 depends only on T' and B' (the attention kernel walks a device-side work list), and rows never depend on
 the rest of the batch, so a replayed batch gives bitwise what the eager forward gives (tests/test_gpu_engine).
 
-Why only small batches: a forward launches ~10 kernels per layer (280 at W1's 28 layers) at ~10-20 us of
-host time each; a 16k-token batch keeps the GPU busy ~120 ms, which hides them (W1: 5.32 s of GPU time in
-5.41 s of wall time, run 5), but a few-hundred-token batch (the tail of every file a cron job scores) runs
-in about the time its launches take. Padding costs at most 2x the tokens of a small batch and nothing above
-`max_tokens`, which runs eagerly.
+Why only small batches: a forward launches ~10 kernels per layer (280 at W1's 28 layers), each with host
+work (the GEMM builds two TMA descriptors per launch); a 16k-token batch keeps the GPU busy ~100 ms, which
+hides that (W1: 4.60 s of GPU time in 4.63 s of wall time, run 10), but a batch of a few thousand tokens or
+fewer (the tail of every file a cron job scores) runs in about the time its launches take: W4 in
+2048-token batches ran 2.04x faster replayed than eager (run 9, bench/NOTES.md). Padding costs at most 2x
+the tokens of a small batch and nothing above `max_tokens`, which runs eagerly.
 """
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ def _lora_gemm_tma_kernel(
     PREC: tl.constexpr, NUM_PROGS: tl.constexpr,
 ):
     """The same tiles fed by TMA (tensor descriptors; out-of-bounds reads are zeros), each program walking
-    tiles pid, pid + NUM_PROGS, ... (persistent when NUM_PROGS is the SM count)."""
+    tiles pid, pid + NUM_PROGS, ... (persistent when there are more tiles than programs)."""
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
         pid_m, pid_n = _tile(tile, M, N, BM, BN, GROUP_M)
@@ -203,7 +203,11 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     dummy = y
     if tma:
-        progs = min(tiles, _sm_count(x.device)) if persistent else tiles
+        # NUM_PROGS (the tile stride) is a constexpr: kept to a few values so that batches of new sizes do
+        # not compile new kernels. Persistent: the SM count, with no more programs than tiles; otherwise
+        # one tile per program and a stride of at least the tile count.
+        stride = _sm_count(x.device) if persistent else triton.next_power_of_2(tiles)
+        progs = min(tiles, stride)
         xd = TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]])
         wd = TensorDescriptor.from_tensor(W, [cfg["BN"], cfg["BK"]])
         _lora_gemm_tma_kernel[(progs,)](
@@ -215,7 +219,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             B.stride(1) if B is not None else 0, residual.stride(0) if residual is not None else 0,
             HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
             HAS_RES=residual is not None, SILU_OUT=silu_out, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-            BR=max(16, triton.next_power_of_2(max(R, 1))), NUM_PROGS=progs, **cfg)
+            BR=max(16, triton.next_power_of_2(max(R, 1))), NUM_PROGS=stride, **cfg)
         return y
     _lora_gemm_kernel[(tiles,)](
         x, W, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
