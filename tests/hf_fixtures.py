@@ -81,6 +81,16 @@ def make_policy(base_model, path: Path, name: str, spec: AdapterSpec, seed: int,
         "name": name, "labels": {"compliant": f"<{compliant}>", "violation": f"<{violation}>"}}))
 
 
+def make_bundle(root: Path, arch: str, prefix: str = "p", seed: int = 0, **model_kw) -> list[Path]:
+    """root/model of `arch` and one policy per SPECS entry (root/<prefix>0 ...); returns the policy dirs."""
+    model = make_model(root / "model", arch, **model_kw)
+    dirs = []
+    for i, spec in enumerate(SPECS):
+        make_policy(model, root / f"{prefix}{i}", f"{prefix}{i}", spec, seed=seed + i)
+        dirs.append(root / f"{prefix}{i}")
+    return dirs
+
+
 def hf_scores(model_dir: Path, policy_dirs: list[Path], seqs: list[list[int]], adapters: list[int],
               label_ids: list[tuple[int, int]], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     """f per sequence from transformers + PEFT, one sequence at a time (no padding), in `dtype`."""

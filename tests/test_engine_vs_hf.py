@@ -6,7 +6,7 @@ import zlib
 import pytest
 import torch
 
-from hf_fixtures import SPECS, hf_scores, make_model, make_policy
+from hf_fixtures import hf_scores, make_bundle
 from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
@@ -25,11 +25,7 @@ CASES = [("llama", False, None), ("llama", True, "60KB"), ("mistral", False, Non
 
 
 def build(tmp_path, arch, tie, shard):
-    model = make_model(tmp_path / "model", arch, tie=tie, shard=shard)
-    dirs = []
-    for i, spec in enumerate(SPECS):
-        make_policy(model, tmp_path / f"pol{i}", f"pol{i}", spec, seed=10 + i)
-        dirs.append(tmp_path / f"pol{i}")
+    dirs = make_bundle(tmp_path, arch, "pol", 10, tie=tie, shard=shard)
     g = torch.Generator().manual_seed(zlib.crc32(f"{arch}{tie}".encode()))  # not hash(): salted per process
     seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in LENGTHS]
     return dirs, seqs

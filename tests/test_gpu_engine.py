@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fixtures import SPECS, hf_scores, make_model, make_policy
+from hf_fixtures import hf_scores, make_bundle
 from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
@@ -24,11 +24,7 @@ def decoder(model_dir, dirs, ops, device, dtype, fp8=False, w8a8=False):
 def test_gpu_engine_matches_reference_and_hf(tmp_path, arch):
     from policyscan.kernels import reference, triton_ops
 
-    model = make_model(tmp_path / "model", arch)
-    dirs = []
-    for i, spec in enumerate(SPECS):
-        make_policy(model, tmp_path / f"p{i}", f"p{i}", spec, seed=i)
-        dirs.append(tmp_path / f"p{i}")
+    dirs = make_bundle(tmp_path, arch)
     g = torch.Generator().manual_seed(7)
     lengths = [1, 5, 17, 3, 40, 9, 2, 70, 33]
     seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in lengths]
@@ -64,11 +60,7 @@ def test_cuda_graph_replay_is_bitwise_eager(tmp_path, fp8):
     from policyscan.engine.graphs import GraphedForward
     from policyscan.kernels import triton_ops
 
-    model = make_model(tmp_path / "model", "qwen3")
-    dirs = []
-    for i, spec in enumerate(SPECS):
-        make_policy(model, tmp_path / f"p{i}", f"p{i}", spec, seed=i)
-        dirs.append(tmp_path / f"p{i}")
+    dirs = make_bundle(tmp_path, "qwen3")
     dec = decoder(tmp_path / "model", dirs, triton_ops, "cuda", torch.bfloat16, fp8, fp8)
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     with torch.inference_mode():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fixtures import SPECS, make_model, make_policy
+from hf_fixtures import make_bundle
 from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.graphs import fill, static_batch
@@ -20,11 +20,7 @@ LABELS = [(3, 7), (11, 5), (20, 21)]
 @pytest.fixture(scope="module")
 def dec(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
-    model = make_model(root / "model", "llama")
-    dirs = []
-    for i, spec in enumerate(SPECS):
-        make_policy(model, root / f"p{i}", f"p{i}", spec, seed=i)
-        dirs.append(root / f"p{i}")
+    dirs = make_bundle(root, "llama")
     d = load_decoder(Checkpoint.open(root / "model"), reference, dtype=torch.float32)
     attach_policies(d, [load_policy(p) for p in dirs], LABELS)
     return d

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_fixtures import SPECS, make_model, make_policy
+from hf_fixtures import make_bundle
 from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
@@ -23,12 +23,7 @@ VARIANTS = [pytest.param("cpu", torch.float32, False, id="cpu-fp32"),
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     root = tmp_path_factory.mktemp("inv")
-    model = make_model(root / "model", "qwen3")
-    dirs = []
-    for i, spec in enumerate(SPECS):
-        make_policy(model, root / f"p{i}", f"p{i}", spec, seed=i)
-        dirs.append(root / f"p{i}")
-    return root, dirs
+    return root, make_bundle(root, "qwen3")
 
 
 _DECODERS: dict = {}
