@@ -64,5 +64,9 @@ def fit_platt(f: np.ndarray, y: np.ndarray, max_iter: int = 100, min_step: float
                 break
             step /= 2.0
         else:
-            return PlattFit(float(a), float(b), it, False)  # line search failed: no further progress possible
+            # No step lowers the objective. Converged when even the full Newton step promised less than the
+            # objective's rounding (-gd is twice the predicted gain): 108 of 3000 random fits with n = 3000
+            # ended here with -gd <= 8.6e-13 against an objective of ~1800, |g| up to 5e-5 > tol, and a, b
+            # equal to scikit-learn's to 1e-8; anything larger is a real failure.
+            return PlattFit(float(a), float(b), it, -gd <= 1e-12 * max(1.0, abs(fval)))
     return PlattFit(float(a), float(b), max_iter, False)

@@ -34,6 +34,20 @@ def test_platt_agrees_with_sklearn(sep, n):
     assert np.isclose(ours.a, -a, rtol=1e-3, atol=1e-6) and np.isclose(ours.b, -b, rtol=1e-3, atol=1e-6)
 
 
+def test_platt_at_the_optimum_within_rounding_is_converged():
+    """n = 3000, seed 42: the gradient stays above tol (5e-5 > 1e-5) at an optimum the line search cannot
+    improve in fp64; this fit used to report NOT converged while agreeing with scikit-learn to 1e-8."""
+    from sklearn.calibration import _sigmoid_calibration
+
+    rng = np.random.default_rng(42)
+    y = rng.random(3000) < 0.3
+    y[:2] = [True, False]
+    f = rng.normal(size=3000) * rng.uniform(0.5, 3) + 0.7 * y + rng.normal()
+    ours = fit_platt(f, y)
+    a, b = _sigmoid_calibration(f, y)
+    assert ours.converged and np.isclose(ours.a, -a, rtol=1e-6) and np.isclose(ours.b, -b, rtol=1e-6)
+
+
 def test_platt_needs_both_classes():
     with pytest.raises(ValueError, match="both classes"):
         fit_platt(np.zeros(5), np.ones(5))
