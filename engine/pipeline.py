@@ -126,10 +126,15 @@ def _encoded(engine: Engine, inputs: list[Path], spec: ReadSpec) -> Iterator[tup
         try:
             for chunk in read_chunks(path, spec, engine.encoder.render):
                 done += len(chunk)
-                texts = [t for t in chunk.texts if t is not None]
-                convs = [np.asarray(ids[-keep:], dtype=np.int32) for ids in engine.encoder.encode_batch(texts)]
+                valid = [i for i, t in enumerate(chunk.texts) if t is not None]
+                errors, convs = list(chunk.errors), []
+                for i, ids in zip(valid, engine.encoder.encode_batch([chunk.texts[i] for i in valid])):
+                    if ids:
+                        convs.append(np.asarray(ids[-keep:], dtype=np.int32))
+                    else:  # a tokenizer that normalizes a text away: an error row, not a crash of the run
+                        errors[i] = "the conversation encodes to no tokens"
                 # the texts are not needed past here; chunks queue up in the prefetch thread without them
-                yield dataclasses.replace(chunk, texts=[]), convs
+                yield dataclasses.replace(chunk, texts=[], errors=errors), convs
         except InputError as e:
             yield FileFailure(path, e, done)
 

@@ -215,6 +215,26 @@ def test_many_chunks_and_two_inputs_into_one_output(tmp_path):
     assert pq.read_table(whole).to_pylist() == pq.read_table(out).slice(0, 200).to_pylist()
 
 
+def test_a_text_the_tokenizer_drops_is_an_error_row(tmp_path):
+    """Some tokenizers normalize a text to nothing; with no BOS or template that would be an empty prompt."""
+    from policyscan.engine.pipeline import OutputSpec, score_inputs
+    from policyscan.engine.policy import load_policies
+    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.sources import ReadSpec
+
+    engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", max_length=256))
+    real = engine.encoder.encode_batch
+    engine.encoder.encode_batch = lambda texts: [[] if "VANISH" in t else ids for t, ids in zip(texts, real(texts))]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in
+                           enumerate(["hello there", "VANISH", "my card number is 4111"])))
+    acc = score_inputs(engine, [src], tmp_path / "o.parquet", tmp_path / "e.jsonl", ReadSpec(), OutputSpec())
+    assert acc.balanced and acc.rows_scored == 2 and acc.rows_in_errors == 1
+    assert pq.read_table(tmp_path / "o.parquet").column("id").to_pylist() == ["0", "2"]
+    err = json.loads((tmp_path / "e.jsonl").read_text())
+    assert err["line"] == 2 and err["id"] == "1" and "encodes to no tokens" in err["reason"]
+
+
 def test_sigterm_leaves_no_partial_file_and_a_rerun_resumes(tmp_path):
     """A cron job killed mid-run: no output or temporary file is left; the next run scores what is missing."""
     import os
