@@ -23,8 +23,6 @@ from policyscan.engine.graphs import GraphedForward  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402
 
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: a dry run of this script
-GRAPHS: dict = {}    # the Engine keeps one GraphedForward (and one prefix cache) per loaded model
-PREFIXES: dict = {}
 FP8_TFLOPS = (1238.0, 1462.0)  # measured torch._scaled_mm rates on this H200 (DESIGN.md)
 
 
@@ -33,39 +31,35 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def engine_pass(dec, seqs, ads, budget: int, prefixes=None, cache: bool = True, graphs: bool = True) -> np.ndarray:
-    """Token ids in, f out, as Engine._run does it (CUDA graphs for batches of <= 4096 tokens unless
-    graphs=False); with prefixes, cached (or prepended when cache=False)."""
-    ads_np = np.array(ads)
+def engine_pass(dec, prefixes=None, cache: bool = True, graphs: bool = True):
+    """A scoring pass as the Engine runs one: run(seqs, ads, budget) -> f, token ids in. The prefix cache is
+    made once (as the Engine does at load; a few ms) or, with cache=False, the prefixes are prepended; CUDA
+    graphs serve batches of <= 4096 tokens unless graphs=False."""
     prefix = None
-    if prefixes and any(prefixes):
-        if cache:
-            if id(dec) not in PREFIXES:  # once per decoder, as the Engine does at load (a few ms)
-                with torch.inference_mode():
-                    PREFIXES.clear()
-                    PREFIXES[id(dec)] = dec.prefill_prefixes(prefixes)
-            prefix = PREFIXES[id(dec)]
-        else:
+    if cache and prefixes and any(prefixes):
+        with torch.inference_mode():
+            prefix = dec.prefill_prefixes(prefixes)
+    if graphs and DEVICE == "cuda":
+        forward = GraphedForward(dec, prefix)
+    else:
+        def forward(b):
+            return dec.forward(b.to(DEVICE), prefix)
+
+    def run(seqs, ads, budget: int) -> np.ndarray:
+        if prefixes and any(prefixes) and prefix is None:
             seqs = [prefixes[a] + s for s, a in zip(seqs, ads)]
-    lengths = np.array([len(s) for s in seqs])
-    outs = []
-    with torch.inference_mode():
-        if graphs and DEVICE == "cuda":
-            key = (id(dec), prefix is not None, budget)  # one set of graphs per decoder, as the Engine keeps
-            if key not in GRAPHS:
-                GRAPHS.clear()
-                dec.rope_tables(2048 + (prefix.longest if prefix is not None else 0))
-                GRAPHS[key] = GraphedForward(dec, prefix, max_tokens=min(4096, budget))
-            forward = GRAPHS[key]
-        else:
-            forward = lambda b: dec.forward(b.to(DEVICE), prefix)  # noqa: E731
-        for plan in plan_batches(lengths, ads_np, budget):
-            b = pack([seqs[i] for i in plan.items], ads_np[plan.items].tolist())
-            outs.append((plan.items, forward(b)))
-        f = np.empty(len(seqs), dtype=np.float32)
-        for items, v in outs:
-            f[items] = v.float().cpu().numpy()
-    return f
+        ads_np = np.array(ads)
+        outs = []
+        with torch.inference_mode():
+            for plan in plan_batches(np.array([len(s) for s in seqs]), ads_np, budget):
+                b = pack([seqs[i] for i in plan.items], ads_np[plan.items].tolist())
+                outs.append((plan.items, forward(b)))
+            f = np.empty(len(seqs), dtype=np.float32)
+            for items, v in outs:
+                f[items] = v.float().cpu().numpy()
+        return f
+
+    return run
 
 
 def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, graphs: bool = True) -> dict:
@@ -74,19 +68,18 @@ def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, g
     dec = random_decoder(cfg, w.adapters, 16, triton_ops, device=DEVICE, fp8=fp8)
     seqs, ads, prefixes = prompts(w, cfg.vocab)
     tokens = sum(map(len, seqs)) + sum(len(prefixes[a]) for a in ads)  # all prompt tokens, cached or not
-    engine_pass(dec, seqs[: 4 * w.adapters], ads[: 4 * w.adapters], budget, prefixes, cache, graphs)  # compile
-    engine_pass(dec, seqs, ads, budget, prefixes, cache, graphs)  # warm every batch size once
+    run = engine_pass(dec, prefixes, cache, graphs)
+    run(seqs[: 4 * w.adapters], ads[: 4 * w.adapters], budget)  # compile
+    run(seqs, ads, budget)  # warm every batch size once
     sync()
     t0 = time.perf_counter()
-    engine_pass(dec, seqs, ads, budget, prefixes, cache, graphs)
+    run(seqs, ads, budget)
     sync()
     dt = time.perf_counter() - t0
     params = cfg.layers * sum(o * i for o, i in (cfg.proj_shape(p) for p in
                               ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
     ceiling = tokens / (2 * params * tokens / (FP8_TFLOPS[1] * 1e12))
-    del dec
-    GRAPHS.clear()
-    PREFIXES.clear()
+    del dec, run
     torch.cuda.empty_cache()
     label = name + ("" if cache or not w.prefix else " no-cache") + \
         (f" @{budget}" if budget != 16384 else "") + ("" if graphs else " eager")
@@ -103,13 +96,12 @@ def profile_engine(name: str, budget: int) -> str:
     cfg = shape(w.model)
     dec = random_decoder(cfg, w.adapters, 16, triton_ops)
     seqs, ads, prefixes = prompts(w, cfg.vocab)
-    engine_pass(dec, seqs, ads, budget, prefixes)
+    run = engine_pass(dec, prefixes)
+    run(seqs, ads, budget)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine_pass(dec, seqs, ads, budget, prefixes)
+        run(seqs, ads, budget)
         torch.cuda.synchronize()
-    del dec
-    GRAPHS.clear()
-    PREFIXES.clear()
+    del dec, run
     torch.cuda.empty_cache()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
 

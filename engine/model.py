@@ -79,7 +79,7 @@ class Decoder:
                 capture.append(qkv)
             pkv = PrefixKV(prefix.layers[i], *seq_pre) if prefix is not None else None
             attn = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.head_dim ** -0.5, cfg.sliding_window,
-                                        last_only=last_only, max_seqlen=batch.max_seqlen, prefix=pkv)
+                                        last_only=last_only, prefix=pkv)
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
             h = layer.o(attn, tok_ad, residual=h)

@@ -114,8 +114,7 @@ class Engine:
             return lambda batch: self.decoder.forward(batch.to(self.device), prefix)
         key = prefix is not None
         if key not in self._graphs:
-            self.decoder.rope_tables(self.settings.max_length + (prefix.longest if prefix is not None else 0))
-            self._graphs[key] = GraphedForward(self.decoder, prefix, max_tokens=min(4096, self.settings.batch_tokens))
+            self._graphs[key] = GraphedForward(self.decoder, prefix)
         return self._graphs[key]
 
     def _run(self, lengths: np.ndarray, adapters: np.ndarray, prompt, prefix=None) -> np.ndarray:

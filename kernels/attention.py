@@ -96,12 +96,11 @@ def _attn_kernel(
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
-                     window: int | None = None, last_only: bool = False, max_seqlen: int | None = None,
-                     prefix: PrefixKV | None = None, out: torch.Tensor | None = None,
-                     config: dict | None = None) -> torch.Tensor:
+                     window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
+                     out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
     written in place when given; `config` (BM, BN, num_warps, num_stages) overrides the tile choice
-    (bench/sweep.py). max_seqlen is not needed: the grid comes from T and the number of sequences."""
+    (bench/sweep.py)."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D or qkv.stride(1) != 1:

@@ -183,14 +183,13 @@ def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
-                     window: int | None = None, last_only: bool = False, max_seqlen: int | None = None,
+                     window: int | None = None, last_only: bool = False,
                      prefix: PrefixKV | None = None) -> torch.Tensor:
     """Semantics: q, k, v = split(qkv) (q and k already normed and rotated: rope_qk); causal
     softmax(q k^T * scale) v within each packed sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded
     to qkv.dtype. With `prefix`, a sequence's keys are its cached prefix rows followed by its own tokens.
     Returns [Tq, H * D]; with last_only, only each sequence's last token queries (Tq = sequences); an empty
-    sequence's row is zero. `window` limits each query to its last `window` keys. max_seqlen is a hint the
-    Triton twin may use.
+    sequence's row is zero. `window` limits each query to its last `window` keys.
 
     Every product is row-blocked (rows_matmul, row_blocks), so a query's result depends only on its own
     sequence: the same with or without the prefix cache, in any batch."""

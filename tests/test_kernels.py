@@ -135,7 +135,7 @@ def test_varlen_attention(device, window, last_only):
     T = sum(lengths)
     cu = packed(lengths, device)
     qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype).to(device)
-    args = (cu, shape, D ** -0.5, window, last_only, max(lengths))
+    args = (cu, shape, D ** -0.5, window, last_only)
     out = torch.full((len(lengths) if last_only else T, H * D), float("nan"), dtype=dtype, device=device)
     varlen_attention(qkv, *args, out=out)
     same = reference.varlen_attention(qkv, *args)
@@ -182,10 +182,10 @@ def test_attention_prefix_cache_is_bitwise_recompute(device, last_only):
                          zip(torch.tensor([0] + full_len).cumsum(0).tolist(), [prefixes[j] for j in seq_pre], own)])
     # the twin is row-invariant by construction on the CPU only (cuBLAS makes no such promise)
     for fn in (reference.varlen_attention, varlen_attention) if device == "cpu" else (varlen_attention,):
-        cached = fn(qkv, packed(own, device), *common, max(own), prefix=prefix)
-        inline = fn(full, packed(full_len, device), *common, max(full_len))
+        cached = fn(qkv, packed(own, device), *common, prefix=prefix)
+        inline = fn(full, packed(full_len, device), *common)
         assert torch.equal(cached, inline if last_only else inline[own_idx.to(device)]), fn.__module__
-    same = reference.varlen_attention(qkv, packed(own, device), *common, max(own), prefix=prefix)
-    exact = reference.varlen_attention(qkv.double(), packed(own, device), *common, max(own),
+    same = reference.varlen_attention(qkv, packed(own, device), *common, prefix=prefix)
+    exact = reference.varlen_attention(qkv.double(), packed(own, device), *common,
                                        prefix=PrefixKV(prefix.rows.double(), prefix.start, prefix.length))
-    check(varlen_attention(qkv, packed(own, device), *common, max(own), prefix=prefix), same, exact, "prefix")
+    check(varlen_attention(qkv, packed(own, device), *common, prefix=prefix), same, exact, "prefix")
