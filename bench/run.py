@@ -132,11 +132,11 @@ def bench_hf(name: str, bs: int = 32, bf16_adapters: bool = True) -> dict:
     model = get_peft_model(model, lcfg, adapter_name="a0")
     for a in range(1, w.adapters):
         model.add_adapter(f"a{a}", lcfg)
-    lora_dtypes = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
     if bf16_adapters:
         for n, p in model.named_parameters():
             if "lora_" in n:
                 p.data = p.data.to(torch.bfloat16)
+    lora_dtypes = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
     model.eval()
     seqs, ads, prefixes = prompts(w, cfg.vocab)
     tokens = sum(map(len, seqs)) + sum(len(prefixes[a]) for a in ads)
