@@ -175,5 +175,6 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0,
         NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None, GIVEN_AMAX=x_amax is not None,
         BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 3))
     return h, hs, s

@@ -127,16 +127,19 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
     (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K].
     silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2].
-    amax [M] fp32: raised in place to max |y * amax_weight| per row, over y as stored (the next prologue's
-    x_amax)."""
-    y = _lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out)
-    if amax is not None and y.shape[0]:
-        v = y.float() * amax_weight.float() if amax_weight is not None else y.float()
-        torch.maximum(amax, v.abs().amax(-1), out=amax)
-    return y
+    amax [M] fp32: raised in place to max |y| * |amax_weight| per row over y before its rounding, in fp32
+    (the next prologue's x_amax; within a rounding of the stored row's, which the quantizer's clamp absorbs)."""
+    acc = _lora_acc(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out)
+    if amax is not None and acc.shape[0]:
+        v = (acc if acc.dtype == torch.float64 else acc.float()).abs()
+        if amax_weight is not None:
+            v = v * amax_weight.to(v.dtype).abs()
+        torch.maximum(amax, v.amax(-1), out=amax)
+    return acc.to(out_dtype)
 
 
-def _lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out):
+def _lora_acc(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out) -> torch.Tensor:
+    """lora_gemm before its final rounding."""
     dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
     acc = rows_matmul(x.to(dt), W.to(dt))
     if x_scale is not None:
@@ -153,8 +156,8 @@ def _lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_
     if residual is not None:
         acc = acc + residual.to(dt)
     if silu_out:
-        return row_blocks(lambda a: (F.silu(a[:, 0::2]) * a[:, 1::2]).to(out_dtype), acc)
-    return acc.to(out_dtype)
+        return row_blocks(lambda a: F.silu(a[:, 0::2]) * a[:, 1::2], acc)
+    return acc
 
 
 def interleave_halves(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
