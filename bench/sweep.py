@@ -33,45 +33,22 @@ def timed(fn) -> float:
 
 
 def sweep_prologue() -> None:
-    """Each W1 prologue as the engine runs it: one sweep where the producing GEMM gives the row amax (qkv after
-    layer 0, gate_up, down), two sweeps for o (its input comes from attention)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     ad = torch.sort(torch.randint(0, 8, (T,), device="cuda", generator=g).int()).values
-    for name, K, norm, R, one_sweep in [("qkv", 3072, True, 48, True), ("o", 3072, False, 16, False),
-                                        ("gate_up", 3072, True, 32, True), ("down", 8192, False, 16, True)]:
+    for name, K, norm, R in [("qkv", 3072, True, 48), ("o", 3072, False, 16), ("gate_up", 3072, True, 32),
+                             ("down", 8192, False, 16)]:
         x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
         w = torch.ones(K, device="cuda", dtype=torch.bfloat16) if norm else None
         A = (torch.randn(8, R, K, device="cuda", generator=g) * 0.02).bfloat16()
-        amax = x.float().abs().amax(-1) if one_sweep else None
-        base = timed(lambda: prologue(x, w, 1e-5, A, ad, True, amax))
+        base = timed(lambda: prologue(x, w, 1e-5, A, ad, True))
         best = None
-        for bm, bk, nw, ns in itertools.product([16, 32, 64], [128, 256], [4, 8], [3]):
-            cfg = dict(BM=bm, BK=bk, num_warps=nw, num_stages=ns)
-            t = timed(lambda: prologue(x, w, 1e-5, A, ad, True, amax, config=cfg))
+        for bm, bk, nw in itertools.product([16, 32, 64], [128, 256], [4, 8]):
+            t = timed(lambda: prologue(x, w, 1e-5, A, ad, True, config=dict(BM=bm, BK=bk, num_warps=nw)))
             if best is None or t < best[0]:
-                best = (t, cfg)
-        nbytes = x.numel() * 2 * (1 if one_sweep else 2) + T * K  # x read once or twice, e4m3 written
-        print(f"prologue {name} ({'one' if one_sweep else 'two'} sweeps): default {base * 1e3:.0f} us "
-              f"({nbytes / base / 1e9:.2f} TB/s); best {best[0] * 1e3:.0f} us ({nbytes / best[0] / 1e9:.2f} TB/s) "
-              f"{best[1]}")
-
-
-def sweep_gemm_amax() -> None:
-    """What writing the next prologue's row amax costs the GEMM at W1's full-batch shapes (default tiles)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ad = torch.sort(torch.randint(0, 8, (T,), device="cuda", generator=g).int()).values
-    for name, N, K, silu in [("o", 3072, 3072, False), ("gate_up", 16384, 3072, True), ("down", 3072, 8192, False)]:
-        x8, xs = quantize_rows(torch.randn(T, K, device="cuda", generator=g).bfloat16())
-        w8, ws = quantize_rows(torch.randn(N, K, device="cuda", generator=g).bfloat16())
-        B = (torch.randn(8, N, 16, device="cuda", generator=g) * 0.01).bfloat16()
-        s = torch.randn(T, 16, device="cuda", generator=g)
-        res = None if silu else torch.randn(T, N, device="cuda", generator=g).bfloat16()
-        amax = torch.zeros(T, device="cuda")
-        aw = None if silu else torch.ones(N, device="cuda", dtype=torch.bfloat16)
-        off = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, silu))
-        on = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, silu, amax, aw))
-        print(f"gemm amax {name} M={T} N={N} K={K}: without {off * 1e3:.0f} us, with {on * 1e3:.0f} us "
-              f"({(on - off) * 1e3:+.0f} us)")
+                best = (t, bm, bk, nw)
+        nbytes = x.numel() * 2 + T * K  # read x once, write e4m3
+        print(f"prologue {name}: default {base * 1e3:.0f} us; best {best[0] * 1e3:.0f} us at BM={best[1]} BK={best[2]} "
+              f"warps={best[3]} ({nbytes / best[0] / 1e9:.2f} TB/s of one pass)")
 
 
 W1_SHAPES = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]  # qkv, o, gate_up, down: (N, K)
