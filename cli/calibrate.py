@@ -92,7 +92,7 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
 
 
 def _score(engine: Engine, files: list[Path], spec: ReadSpec, label_column: str | None):
-    ids, texts, labels, col = [], [], [], None
+    ids, texts, labels, rows, col = [], [], [], [], None
     for path in files:
         col = label_column or _label_guess(path, spec, engine.policies[0].name)
         spec_l = ReadSpec(spec.text_column, spec.messages_column, spec.id_column, (col,), max_chars=spec.max_chars)
@@ -103,7 +103,11 @@ def _score(engine: Engine, files: list[Path], spec: ReadSpec, label_column: str 
             ids += chunk.ids.to_pylist()
             texts += chunk.texts
             labels += chunk.keep[col].to_pylist()
+            rows += [(path, chunk.first_row + i) for i in range(len(chunk.texts))]
     convs = [np.asarray(x, dtype=np.int64) for x in engine.encoder.encode_batch(texts)]
+    for (path, row), c in zip(rows, convs):
+        if not len(c):  # a tokenizer that normalizes a text away: every labeled row must be scored
+            raise InputError(f"{path}, row {row}: the conversation encodes to no tokens; fix the labeled data")
     f, _, _ = engine.score_conversations(convs)
     return ids, f[:, 0].astype(np.float64), labels, col
 

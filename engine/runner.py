@@ -95,6 +95,8 @@ class Engine:
         of prompt tokens and of truncated prompts. Prompts are assembled batch by batch, never all at once."""
         n, k = len(convs), len(self.builders)
         conv_len = np.fromiter((len(c) for c in convs), dtype=np.int64, count=n)
+        if n and not conv_len.all():  # callers turn these into error rows first (pipeline, calibrate)
+            raise ValueError(f"conversation {int(np.argmin(conv_len))} encodes to no tokens: nothing to score")
         fixed = np.array([b.max_length - b.budget for b in self.builders], dtype=np.int64)
         budget = np.array([b.budget for b in self.builders], dtype=np.int64)
         lengths = (fixed[None, :] + np.minimum(conv_len[:, None], budget[None, :])).reshape(-1)

@@ -127,3 +127,23 @@ def test_calibrate_from_long_layout_scores(tmp_path):
     res = CliRunner().invoke(cli, ["calibrate", str(scores), "--policy", str(bundle), "--from-scores",
                                    "--label-column", "pii", "--dry-run"])
     assert res.exit_code == 0 and "a = " in res.output, res.output
+
+
+def test_calibrate_names_a_labeled_row_the_tokenizer_drops(tmp_path):
+    """Every labeled row must be scored: one that encodes to nothing stops the fit, naming its file and row."""
+    from policyscan.cli.calibrate import _score
+    from policyscan.engine.errors import InputError
+    from policyscan.engine.policy import load_policies
+    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.sources import ReadSpec
+
+    engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"])[:1], EngineSettings("cpu", max_length=256))
+    real = engine.encoder.encode_batch
+    engine.encoder.encode_batch = lambda texts: [[] if "VANISH" in t else ids for t, ids in zip(texts, real(texts))]
+    src = tmp_path / "l.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": t, "label": "Compliant"}) + "\n" for i, t in
+                           enumerate(["hello there", "my card number is 4111", "VANISH"])))
+    with pytest.raises(InputError, match=r"l\.jsonl, row 2: the conversation encodes to no tokens"):
+        _score(engine, [src], ReadSpec(), "label")
+    with pytest.raises(ValueError, match="conversation 1 encodes to no tokens"):
+        engine.score_conversations([np.array([5, 6]), np.array([], dtype=np.int64)])
