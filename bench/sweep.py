@@ -92,20 +92,25 @@ def sweep_gemm_small() -> None:
         _gemm_configs(M, [(64, 128, 4, 4, 8), (128, 128, 8, 3, 8), (128, 256, 8, 3, 8)], residual=False)
 
 
-def sweep_attention() -> None:
+def _attn_batch():
+    """W1's first 16k-token batch: lengths, cu_seqlens, qkv rows, and the attention FLOPs (causal)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = lengths(256)
     lens = lens[: int(np.searchsorted(np.cumsum(lens), T))]
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    cu = cu.cuda()
-    shape = AttnShape(24, 8, 128)
     qkv = torch.randn(int(cu[-1]), 40 * 128, device="cuda", generator=g).bfloat16()
+    fl = 4 * sum(int(n) * (int(n) + 1) / 2 for n in lens) * 24 * 128
+    return lens, cu.cuda(), qkv, fl
+
+
+def sweep_attention() -> None:
+    lens, cu, qkv, fl = _attn_batch()
+    shape = AttnShape(24, 8, 128)
     ang = torch.outer(torch.arange(4096, dtype=torch.float64), 1.0 / 5e5 ** (torch.arange(0, 128, 2) / 128))
     cos, sin = ang.cos().float().cuda(), ang.sin().float().cuda()
     pos = torch.cat([torch.arange(int(n)) for n in lens]).cuda()
     t_rope = timed(lambda: rope_qk(qkv, pos, cos, sin, shape))
-    fl = 4 * sum(int(n) * (int(n) + 1) / 2 for n in lens) * 24 * 128
     base = timed(lambda: varlen_attention(qkv, cu, shape, 128 ** -0.5))
     best = None
     for bm, bn, nw, ns in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3]):
@@ -116,6 +121,35 @@ def sweep_attention() -> None:
     print(f"rope_qk {int(cu[-1])} tokens: {t_rope * 1e3:.0f} us")
     print(f"attention {int(cu[-1])} tokens, {len(lens)} seqs: default {base * 1e3:.0f} us "
           f"({fl / base / 1e9:.0f} TF/s); best {best[0] * 1e3:.0f} us ({fl / best[0] / 1e9:.0f} TF/s) {best[1]}")
+
+
+def sweep_attention_lib() -> None:
+    """Ours against PyTorch's FlashAttention-2 varlen forward on the same batch: time, agreement, and whether
+    a sequence's rows stay bitwise the same when it is scored with half the batch (batch invariance).
+    DESIGN.md allows a library kernel where it is as fast and batch-invariant; the engine would still need
+    the cached prefix rows gathered in front of each sequence, which ours reads in place."""
+    lens, cu, qkv, fl = _attn_batch()
+    shape, T_ = AttnShape(24, 8, 128), qkv.shape[0]
+    q, k, v = (qkv[:, a * 128:b * 128].unflatten(1, (b - a, 128)) for a, b in ((0, 24), (24, 32), (32, 40)))
+    top = int(max(lens))
+
+    def fa(q, k, v, cu):
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, top, top, 0.0, True, False,
+                                                       scale=128 ** -0.5)[0]
+
+    t_ours = timed(lambda: varlen_attention(qkv, cu, shape, 128 ** -0.5))
+    t_fa = timed(lambda: fa(q, k, v, cu))
+    ours = varlen_attention(qkv, cu, shape, 128 ** -0.5).float()
+    diff = (fa(q, k, v, cu).reshape(T_, -1).float() - ours).abs().max().item()
+    half = len(lens) // 2  # the second half of the sequences alone, rows re-based to 0
+    r0 = int(cu[half])
+    cu2 = (cu[half:] - r0).int()
+    alone = fa(q[r0:], k[r0:], v[r0:], cu2).reshape(T_ - r0, -1)
+    invariant = torch.equal(alone, fa(q, k, v, cu).reshape(T_, -1)[r0:])
+    ours_alone = varlen_attention(qkv[r0:].contiguous(), cu2, shape, 128 ** -0.5)
+    ours_invariant = torch.equal(ours_alone, varlen_attention(qkv, cu, shape, 128 ** -0.5)[r0:])
+    print(f"attention lib: ours {t_ours * 1e3:.0f} us ({fl / t_ours / 1e9:.0f} TF/s), FA2 varlen {t_fa * 1e3:.0f} us "
+          f"({fl / t_fa / 1e9:.0f} TF/s); max |diff| {diff:.2e}; batch-invariant: FA2 {invariant}, ours {ours_invariant}")
 
 
 if __name__ == "__main__":
