@@ -36,18 +36,27 @@ class TextEncoder:
         cfg_path = model_dir / "tokenizer_config.json"
         self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.backend = "gigatoken" if self.fast is not None else "tokenizers"
+        self.fast_texts = 0  # texts gigatoken encoded (and was trusted with) so far
 
-    def encode_batch(self, texts: list[str], spot_checks: int = 8) -> list[list[int]]:
-        """Token ids without special tokens. With gigatoken, a few texts of every call are also encoded by
-        `tokenizers`; on any disagreement policyscan falls back to `tokenizers` for good (this call too)."""
+    def encode_batch(self, texts: list[str], spot_checks: int = 8, full_checks: int = 4096) -> list[list[int]]:
+        """Token ids without special tokens. With gigatoken, the first `full_checks` texts are all encoded by
+        `tokenizers` too (most disagreements then show before any row is written), later calls `spot_checks`
+        of theirs; on any disagreement policyscan falls back to `tokenizers` for good (this call too), and the
+        backend it records says how many texts gigatoken had encoded before."""
         if self.fast is not None:
             ids = self.fast.encode_batch_list(texts)
-            step = max(1, len(texts) // spot_checks)
-            sample = list(range(0, len(texts), step))[:spot_checks]
+            if self.fast_texts < full_checks:
+                sample = list(range(len(texts)))
+            else:
+                step = max(1, len(texts) // spot_checks)
+                sample = list(range(0, len(texts), step))[:spot_checks]
             slow = self.tok.encode_batch([texts[i] for i in sample], add_special_tokens=False)
             if all(ids[i] == e.ids for i, e in zip(sample, slow)):
+                self.fast_texts += len(texts)
                 return ids
-            self.fast, self.backend = None, "tokenizers (gigatoken disagreed on a conversation)"
+            self.fast = None
+            self.backend = (f"tokenizers (gigatoken disagreed on a conversation; it had encoded {self.fast_texts} "
+                            f"texts before, the first {min(self.fast_texts, full_checks)} checked in full)")
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     def encode(self, text: str) -> list[int]:

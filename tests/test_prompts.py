@@ -33,5 +33,29 @@ def test_gigatoken_is_checked_and_dropped_when_it_disagrees():
             return [[1] for _ in batch]
 
     enc.fast = Wrong()
-    assert enc.encode_batch(texts) == good  # the spot check caught it and this call fell back
+    assert enc.encode_batch(texts) == good  # the check caught it and this call fell back
     assert enc.fast is None and enc.backend.startswith("tokenizers")
+    assert "it had encoded 40 texts before, the first 40 checked in full" in enc.backend
+
+
+def test_gigatoken_texts_are_checked_in_full_first_then_spot_checked():
+    """A disagreement on one text of the first calls is caught wherever it is; later, spot checks only."""
+    enc = TextEncoder(SAMPLE / "model")
+    real = enc.fast
+    texts = [f"conversation {i} with some text" for i in range(40)]
+
+    class OneWrong:  # disagrees on one text that no spot check samples (index 1)
+        def encode_batch_list(self, batch):
+            ids = real.encode_batch_list(batch)
+            ids[1] = [1]
+            return ids
+
+    enc.fast = OneWrong()
+    assert enc.encode_batch(texts, full_checks=40)[1] != [1] and enc.fast is None
+    enc = TextEncoder(SAMPLE / "model")
+    real = enc.fast
+    enc.encode_batch(texts, full_checks=40)  # the full-check budget is spent on good texts
+    enc.fast = OneWrong()
+    # past it, only every 5th text is compared: a wrong text between them is not seen (what full checks are for)
+    assert enc.encode_batch(texts, full_checks=40)[1] == [1]
+    assert enc.fast is not None and enc.fast_texts == 80
