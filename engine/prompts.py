@@ -45,11 +45,9 @@ class TextEncoder:
         backend it records says how many texts gigatoken had encoded before."""
         if self.fast is not None:
             ids = self.fast.encode_batch_list(texts)
-            if self.fast_texts < full_checks:
-                sample = list(range(len(texts)))
-            else:
-                step = max(1, len(texts) // spot_checks)
-                sample = list(range(0, len(texts), step))[:spot_checks]
+            full = max(0, min(len(texts), full_checks - self.fast_texts))
+            step = max(1, (len(texts) - full) // spot_checks)
+            sample = list(range(full)) + list(range(full, len(texts), step))[:spot_checks]
             slow = self.tok.encode_batch([texts[i] for i in sample], add_special_tokens=False)
             if all(ids[i] == e.ids for i, e in zip(sample, slow)):
                 self.fast_texts += len(texts)

@@ -44,10 +44,12 @@ def test_gigatoken_texts_are_checked_in_full_first_then_spot_checked():
     real = enc.fast
     texts = [f"conversation {i} with some text" for i in range(40)]
 
-    class OneWrong:  # disagrees on one text that no spot check samples (index 1)
+    class OneWrong:  # disagrees on one text (`bad`), by default one no spot check samples
+        bad = 1
+
         def encode_batch_list(self, batch):
             ids = real.encode_batch_list(batch)
-            ids[1] = [1]
+            ids[self.bad] = [1]
             return ids
 
     enc.fast = OneWrong()
@@ -59,3 +61,10 @@ def test_gigatoken_texts_are_checked_in_full_first_then_spot_checked():
     # past it, only every 5th text is compared: a wrong text between them is not seen (what full checks are for)
     assert enc.encode_batch(texts, full_checks=40)[1] == [1]
     assert enc.fast is not None and enc.fast_texts == 80
+    # a call straddling the budget: its first 3 texts are checked in full, then every 4th of the rest from 3 on
+    for bad, caught in ((2, True), (3, True), (5, False)):
+        enc = TextEncoder(SAMPLE / "model")
+        real = enc.fast
+        enc.fast = OneWrong()
+        enc.fast.bad = bad
+        assert (enc.encode_batch(texts, full_checks=3)[bad] != [1]) == caught and (enc.fast is None) == caught
