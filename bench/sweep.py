@@ -139,15 +139,13 @@ def sweep_attention_lib() -> None:
 
     t_ours = timed(lambda: varlen_attention(qkv, cu, shape, 128 ** -0.5))
     t_fa = timed(lambda: fa(q, k, v, cu))
-    ours = varlen_attention(qkv, cu, shape, 128 ** -0.5).float()
-    diff = (fa(q, k, v, cu).reshape(T_, -1).float() - ours).abs().max().item()
+    ours, lib = varlen_attention(qkv, cu, shape, 128 ** -0.5), fa(q, k, v, cu).reshape(T_, -1)
+    diff = (lib.float() - ours.float()).abs().max().item()
     half = len(lens) // 2  # the second half of the sequences alone, rows re-based to 0
     r0 = int(cu[half])
     cu2 = (cu[half:] - r0).int()
-    alone = fa(q[r0:], k[r0:], v[r0:], cu2).reshape(T_ - r0, -1)
-    invariant = torch.equal(alone, fa(q, k, v, cu).reshape(T_, -1)[r0:])
-    ours_alone = varlen_attention(qkv[r0:].contiguous(), cu2, shape, 128 ** -0.5)
-    ours_invariant = torch.equal(ours_alone, varlen_attention(qkv, cu, shape, 128 ** -0.5)[r0:])
+    invariant = torch.equal(fa(q[r0:], k[r0:], v[r0:], cu2).reshape(T_ - r0, -1), lib[r0:])
+    ours_invariant = torch.equal(varlen_attention(qkv[r0:].contiguous(), cu2, shape, 128 ** -0.5), ours[r0:])
     print(f"attention lib: ours {t_ours * 1e3:.0f} us ({fl / t_ours / 1e9:.0f} TF/s), FA2 varlen {t_fa * 1e3:.0f} us "
           f"({fl / t_fa / 1e9:.0f} TF/s); max |diff| {diff:.2e}; batch-invariant: FA2 {invariant}, ours {ours_invariant}")
 
