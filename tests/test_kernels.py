@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernel_cases import adapters_for, check, gemm_case, lora_stack, packed, up64
+from kernel_cases import adapters_for, check, further_from, gemm_case, lora_stack, packed, shrink_in_k_order, up64
 from policyscan.kernels import reference
 from policyscan.kernels.reference import AttnShape, PrefixKV
 
@@ -93,7 +93,8 @@ def test_prologue(device, kind):
                 check(h.double() * hs.double()[:, None], rh.double() * rhs.double()[:, None], e64[0], what + " h")
             else:
                 check(h, rh, e64[0], what + " h")
-            check(s, rs, e64[2], what + " s", factor=4.0)
+            h16 = reference.rmsnorm(x, w, 1e-5) if w is not None else x  # what the shrink reads
+            check(s, further_from(e64[2], rs, shrink_in_k_order(h16, A, ad)), e64[2], what + " s", factor=4.0)
 
 
 def rope_tables(positions: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
