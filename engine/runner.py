@@ -21,9 +21,9 @@ PRECISIONS = ("auto", "fp8", "bf16", "fp32")
 DTYPES = {"fp8": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def version() -> str:
+def version(package: str = "policyscan") -> str:
     try:
-        return importlib.metadata.version("policyscan")
+        return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
 
@@ -139,6 +139,9 @@ class Engine:
             "model": {"path": str(self.checkpoint.model_dir.resolve()), "sha256": self.model_sha256,
                       "arch": self.checkpoint.config.arch, "fp8_checkpoint": self.checkpoint.fp8},
             "device": str(self.device), "precision": self.precision, "tokenizer_backend": self.encoder.backend,
+            # GPU results are reproducible bitwise only on the same GPU, CUDA and Triton (the kernels' code)
+            **({"gpu": torch.cuda.get_device_name(self.device), "cuda_version": torch.version.cuda,
+                "triton_version": version("triton")} if self.device.type == "cuda" else {}),
             "settings": asdict(self.settings),
             "policies": [{"name": p.name, "path": str(p.path.resolve()), "adapter_sha256": p.adapter_sha256,
                           "labels": [p.compliant, p.violation], "prefix": p.prefix, "suffix": p.suffix,
