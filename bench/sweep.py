@@ -52,29 +52,31 @@ def sweep_prologue() -> None:
 
 
 W1_SHAPES = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]  # qkv, o, gate_up, down: (N, K)
+W4_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
 FEEDS = [{}, {"TMA": True}, {"TMA": True, "PERSISTENT": True}]
 
 
-def _gemm_configs(M: int, tiles: list[tuple[int, int, int, int, int]], residual: bool) -> None:
-    """Every (tile, feed) at M rows on the four W1 shapes, against the default and torch._scaled_mm, each
-    checked bitwise against the default first. gate_up (N = 16384) runs with its SiLU-and-mul epilogue, as in
-    the engine."""
+def _gemm_configs(M: int, tiles: list[tuple[int, int, int, int, int]], residual: bool, feeds: list[dict] = FEEDS,
+                  shapes: list[tuple[int, int]] = W1_SHAPES) -> None:
+    """Every (tile, feed) at M rows on the four shapes (qkv, o, gate_up, down), against the default and
+    torch._scaled_mm, each checked bitwise against the default first. As in the engine, gate_up runs with its
+    SiLU-and-mul epilogue and, with `residual`, o and down add their residual."""
     g = torch.Generator(device="cuda").manual_seed(0)
     ad = torch.sort(torch.randint(0, 8, (M,), device="cuda", generator=g).int()).values
-    for N, K in W1_SHAPES:
+    for i, (N, K) in enumerate(shapes):
         x8, xs = quantize_rows(torch.randn(M, K, device="cuda", generator=g).bfloat16())
         w8, ws = quantize_rows(torch.randn(N, K, device="cuda", generator=g).bfloat16())
         B = (torch.randn(8, N, 48, device="cuda", generator=g) * 0.01).bfloat16()
         s = torch.randn(M, 48, device="cuda", generator=g)
-        res = torch.randn(M, N, device="cuda", generator=g).bfloat16() if residual and N == 3072 else None
+        res = torch.randn(M, N, device="cuda", generator=g).bfloat16() if residual and i in (1, 3) else None
         fl = 2 * M * N * K
         bare = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=xs[:, None], scale_b=ws[None, :],
                                               out_dtype=torch.bfloat16))
-        so = N == 16384
+        so = i == 2
         base = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, silu_out=so))
         ref = lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, silu_out=so)
         best = None
-        for (bm, bn, nw, ns, gm), feed in itertools.product(tiles, FEEDS):
+        for (bm, bn, nw, ns, gm), feed in itertools.product(tiles, feeds):
             cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, GROUP_M=gm, **feed)
             run = lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, silu_out=so, config=cfg)  # noqa: E731
             try:
@@ -98,6 +100,14 @@ def sweep_gemm() -> None:
     """Full batches (16k rows; o and down with their residual)."""
     _gemm_configs(T, [(128, 256, 8, 3, 8), (128, 256, 8, 4, 8), (128, 128, 8, 4, 8), (128, 128, 4, 4, 8),
                       (256, 128, 8, 3, 8), (128, 256, 8, 3, 16)], residual=True)
+
+
+def sweep_gemm_w4() -> None:
+    """Full batches at W4's shapes (Llama-3.2-1B: K = 2048, N = 2048 for o and down), never swept before run 19;
+    128x256 tiles at N = 2048 make 7.8 waves on 132 SMs."""
+    persistent = {"TMA": True, "PERSISTENT": True}
+    _gemm_configs(T, [(128, 256, 8, 3, 8), (128, 128, 8, 4, 8), (128, 128, 4, 4, 8), (256, 128, 8, 3, 8)],
+                  residual=True, feeds=[persistent, {"TMA": True}], shapes=W4_SHAPES)
 
 
 def sweep_gemm_small() -> None:
