@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import WORKLOADS, prompts, random_decoder, shape  # noqa: E402
+from workloads import WORKLOADS, hf_peft_model, prompts, random_decoder, shape  # noqa: E402
 
 from policyscan.engine.batch import pack  # noqa: E402
 from policyscan.engine.batcher import plan_batches  # noqa: E402
@@ -110,28 +110,9 @@ def bench_hf(name: str, bs: int = 32, bf16_adapters: bool = True) -> dict:
     """HF + PEFT per-policy loop (set_adapter), length-sorted batches, left padding, logits_to_keep=1.
     PEFT keeps the adapters of a bf16 model in fp32 by default (autocast_adapter_dtype); cast to bf16 the
     loop ran 1.56x faster on W1 (35.9k vs 23.0k tok/s, run 11), BENCH.md's 37.4k: that is the baseline."""
-    import transformers as tf
-    from peft import LoraConfig, get_peft_model
-
     w = WORKLOADS[name]
     cfg = shape(w.model)
-    hcfg = tf.LlamaConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_hidden_layers=cfg.layers,
-                          num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, vocab_size=cfg.vocab,
-                          tie_word_embeddings=True, max_position_embeddings=131072,
-                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                           "original_max_position_embeddings": 8192},
-                          attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        torch.set_default_dtype(torch.bfloat16)
-        model = tf.LlamaForCausalLM(hcfg)
-        torch.set_default_dtype(torch.float32)
-    lcfg = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                           "up_proj", "down_proj"], init_lora_weights=False)
-    model = get_peft_model(model, lcfg, adapter_name="a0")
-    for a in range(1, w.adapters):
-        model.add_adapter(f"a{a}", lcfg)
+    model = hf_peft_model(cfg, w.adapters)
     if bf16_adapters:
         for n, p in model.named_parameters():
             if "lora_" in n:

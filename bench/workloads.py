@@ -20,7 +20,7 @@ LLAMA3_ROPE = RopeConfig(theta=500000.0, kind="llama3", factor=32.0, low_freq_fa
 
 def shape(name: str) -> ModelConfig:
     if name == "tiny":  # dry runs of the scripts on a CPU
-        return ModelConfig("llama", 64, 96, 2, 4, 2, 16, 300, 1e-5, LLAMA3_ROPE, True)
+        return ModelConfig("llama", 64, 96, 2, 4, 2, 16, 1024, 1e-5, LLAMA3_ROPE, True)
     if name == "3b":
         return ModelConfig("llama", 3072, 8192, 28, 24, 8, 128, 128256, 1e-5, LLAMA3_ROPE, True)
     if name == "1b":
@@ -104,3 +104,32 @@ def random_decoder(cfg: ModelConfig, n_adapters: int, rank: int, ops, device="cu
     dec = Decoder(cfg, embed, layers, ones, ops, lambda ids: embed[ids].float())
     dec.head = torch.randn(n_adapters, cfg.hidden, generator=g, device=device) * 0.02
     return dec
+
+
+def hf_peft_model(cfg: ModelConfig, n_adapters: int, rank: int = 16, device: str = "cuda"):
+    """The same shape as a transformers Llama with random bf16 weights and PEFT adapters a0, a1, ... (r = rank,
+    alpha = 2 r, on all seven projections, random B so that they matter): the baseline, and what bench/e2e.py
+    saves as a checkpoint."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    hcfg = tf.LlamaConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_hidden_layers=cfg.layers,
+                          num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                          vocab_size=cfg.vocab, rms_norm_eps=cfg.rms_eps, tie_word_embeddings=True,
+                          max_position_embeddings=131072,
+                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192},
+                          attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        torch.set_default_dtype(torch.bfloat16)
+        model = tf.LlamaForCausalLM(hcfg)
+        torch.set_default_dtype(torch.float32)
+    lcfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                   "gate_proj", "up_proj", "down_proj"],
+                      init_lora_weights=False)
+    model = get_peft_model(model, lcfg, adapter_name="a0")
+    for a in range(1, n_adapters):
+        model.add_adapter(f"a{a}", lcfg)
+    return model

@@ -1,0 +1,138 @@
+"""E2E (BENCH.md): a workload from a Parquet file of text through `policyscan score` to the output Parquet,
+against the engine figure (the same model, policies and prompts as token ids, Engine.score_conversations) in
+the same run.
+
+    python bench/e2e.py --workload W1 --dir /tmp/e2e [--device cuda]
+
+Stand-ins, since nothing can be downloaded: random bf16 weights saved by transformers and random PEFT adapters
+(r = 16 on all seven projections), and the sample model's byte-level BPE tokenizer (vocab 1024) in place of
+Llama 3's, with each conversation's text cut to the workload's token length under that tokenizer."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+HERE = Path(__file__).resolve().parent
+SAMPLE = HERE.parent / "sample_data"
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(SAMPLE))
+from synth import conversations  # noqa: E402
+from workloads import WORKLOADS, hf_peft_model, lengths, shape  # noqa: E402
+
+from policyscan.engine.policy import load_policy  # noqa: E402
+from policyscan.engine.runner import Engine, EngineSettings  # noqa: E402
+
+POLICY_PREFIX = "Policy {a}: the assistant must follow rule {a} of the compliance handbook.\nConversation:\n"
+
+
+def build(root: Path, name: str, device: str) -> None:
+    """model/ (config, safetensors, the sample tokenizer), policies/p<a>/ (PEFT adapter + policy.json)."""
+    w = WORKLOADS[name]
+    model = hf_peft_model(shape(w.model), w.adapters, device=device)
+    model.save_pretrained(root / "peft", selected_adapters=[f"a{a}" for a in range(w.adapters)])
+    for a in range(w.adapters):
+        src = root / "peft" / f"a{a}"
+        dst = root / "bundles" / f"p{a}"
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copy(src / f, dst / f)
+        (dst / "policy.json").write_text(json.dumps({
+            "name": f"p{a}", "labels": {"compliant": " Compliant", "violation": " Violation"},
+            "template": {"prefix": POLICY_PREFIX.format(a=a), "suffix": "\nVerdict:"},
+            "calibration": {"a": 1.0, "b": 0.0}, "threshold": 0.5}))
+    base = model.unload()
+    base.save_pretrained(root / "model")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SAMPLE / "model" / f, root / "model" / f)
+    del model, base
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def write_input(root: Path, name: str, tokenizer) -> Path:
+    """One user message per conversation, cut from synthetic chat text to the workload's token lengths."""
+    corpus = "".join(m["content"] + "\n" for c in conversations(4000, seed=5) for m in c["messages"])
+    ids = tokenizer.encode(corpus, add_special_tokens=False).ids
+    texts, off = [], 0
+    for n in lengths(WORKLOADS[name].conversations).tolist():
+        n -= 3  # the chat template's role tag and newline
+        if off + n > len(ids):
+            off = 0
+        texts.append(tokenizer.decode(ids[off:off + n]))
+        off += n
+    msgs = pa.array([[{"role": "user", "content": t}] for t in texts],
+                    pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
+    path = root / f"{name}.parquet"
+    pq.write_table(pa.table({"id": [f"c{i}" for i in range(len(texts))], "messages": msgs}), path)
+    return path
+
+
+def engine_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
+    """Token ids in, f out: the conversations encoded up front, scored twice (warm-up, then timed)."""
+    bundles = sorted((root / "bundles").iterdir(), key=lambda p: int(p.name[1:]))
+    engine = Engine(root / "model", [load_policy(p) for p in bundles], EngineSettings(device=device))
+    texts = [engine.encoder.render(m) for m in pq.read_table(src).column("messages").to_pylist()]
+    convs = [np.asarray(c, dtype=np.int32) for c in engine.encoder.encode_batch(texts)]
+    engine.score_conversations(convs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    _, tokens, _ = engine.score_conversations(convs)
+    dt = time.perf_counter() - t0  # score_conversations returns host arrays: the GPU is done
+    del engine
+    return tokens, dt
+
+
+def cli_figure(root: Path, src: Path, device: str) -> tuple[int, float, float]:
+    """`policyscan score` in a fresh process: its own figure (reading, tokenizing, scoring, writing) and the
+    process's wall time (adds loading the model, compiling or loading kernels, hashing the checkpoint)."""
+    out = root / "out.parquet"
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "policyscan.cli.main", "score", str(src), "-o", str(out),
+                          "--model", str(root / "model"), "--policies", str(root / "bundles"),
+                          "--device", device, "--no-progress"], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise SystemExit(f"policyscan score failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+    print(res.stdout.strip())
+    m = re.search(r"prompt tokens ([\d,]+) in ([\d.]+) s", res.stdout)
+    assert pq.read_metadata(out).num_rows == WORKLOADS[src.stem].conversations
+    return int(m.group(1).replace(",", "")), float(m.group(2)), wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="W1")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/e2e"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    root = args.dir / args.workload
+    if not (root / "model" / "config.json").is_file():
+        t0 = time.perf_counter()
+        build(root, args.workload, args.device)
+        print(f"built {root} in {time.perf_counter() - t0:.0f} s", flush=True)
+    from tokenizers import Tokenizer
+
+    src = write_input(root, args.workload, Tokenizer.from_file(str(root / "model" / "tokenizer.json")))
+    tokens, dt = engine_figure(root, src, args.device)
+    print(f"{args.workload} engine (token ids in): {tokens:,} tokens in {dt:.2f} s = {tokens / dt:,.0f} tok/s",
+          flush=True)
+    cli_tokens, cli_s, wall = cli_figure(root, src, args.device)
+    print(f"{args.workload} E2E (policyscan score, Parquet text in and out): {cli_tokens:,} tokens in {cli_s:.2f} s "
+          f"= {cli_tokens / cli_s:,.0f} tok/s, {cli_tokens / cli_s / (tokens / dt):.2f}x the engine; "
+          f"process wall {wall:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
