@@ -30,8 +30,11 @@ sys.path.insert(0, str(SAMPLE))
 from synth import conversations  # noqa: E402
 from workloads import WORKLOADS, hf_peft_model, lengths, shape  # noqa: E402
 
+from policyscan.cli.common import clip_chars  # noqa: E402
+from policyscan.engine.pipeline import _encoded  # noqa: E402
 from policyscan.engine.policy import load_policy  # noqa: E402
 from policyscan.engine.runner import Engine, EngineSettings  # noqa: E402
+from policyscan.engine.sources import ReadSpec  # noqa: E402
 
 POLICY_PREFIX = "Policy {a}: the assistant must follow rule {a} of the compliance handbook.\nConversation:\n"
 
@@ -79,9 +82,14 @@ def write_input(root: Path, name: str, tokenizer) -> Path:
 
 
 def engine_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
-    """Token ids in, f out: the conversations encoded up front, scored twice (warm-up, then timed)."""
+    """Token ids in, f out: the conversations encoded up front, scored twice (warm-up, then timed). Also prints
+    what reading and tokenizing the file take alone (the CLI's first chunk waits for them)."""
     bundles = sorted((root / "bundles").iterdir(), key=lambda p: int(p.name[1:]))
     engine = Engine(root / "model", [load_policy(p) for p in bundles], EngineSettings(device=device))
+    t0 = time.perf_counter()
+    chunks = list(_encoded(engine, [src], ReadSpec(max_chars=clip_chars(engine.settings.max_length))))
+    print(f"reading and tokenizing {src.name} alone ({len(chunks)} chunk(s)): {time.perf_counter() - t0:.3f} s",
+          flush=True)
     texts = [engine.encoder.render(m) for m in pq.read_table(src).column("messages").to_pylist()]
     convs = [np.asarray(c, dtype=np.int32) for c in engine.encoder.encode_batch(texts)]
     engine.score_conversations(convs)
