@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -32,7 +31,7 @@ from workloads import WORKLOADS, hf_peft_model, lengths, shape  # noqa: E402
 
 from policyscan.cli.common import clip_chars  # noqa: E402
 from policyscan.engine.pipeline import _encoded  # noqa: E402
-from policyscan.engine.policy import load_policy  # noqa: E402
+from policyscan.engine.policy import load_policies  # noqa: E402
 from policyscan.engine.runner import Engine, EngineSettings  # noqa: E402
 from policyscan.engine.sources import ReadSpec  # noqa: E402
 
@@ -40,18 +39,14 @@ POLICY_PREFIX = "Policy {a}: the assistant must follow rule {a} of the complianc
 
 
 def build(root: Path, name: str, device: str) -> None:
-    """model/ (config, safetensors, the sample tokenizer), policies/p<a>/ (PEFT adapter + policy.json)."""
+    """model/ (config, safetensors, the sample tokenizer) and bundles/p<NN>/ (a PEFT adapter + policy.json)."""
     w = WORKLOADS[name]
     model = hf_peft_model(shape(w.model), w.adapters, device=device)
-    model.save_pretrained(root / "peft", selected_adapters=[f"a{a}" for a in range(w.adapters)])
-    for a in range(w.adapters):
-        src = root / "peft" / f"a{a}"
-        dst = root / "bundles" / f"p{a}"
-        dst.mkdir(parents=True, exist_ok=True)
-        for f in ("adapter_config.json", "adapter_model.safetensors"):
-            shutil.copy(src / f, dst / f)
-        (dst / "policy.json").write_text(json.dumps({
-            "name": f"p{a}", "labels": {"compliant": " Compliant", "violation": " Violation"},
+    model.save_pretrained(root / "bundles", selected_adapters=[f"a{a}" for a in range(w.adapters)])
+    for a in range(w.adapters):  # zero-padded: the CLI takes a folder's bundles in name order
+        bundle = (root / "bundles" / f"a{a}").rename(root / "bundles" / f"p{a:02d}")
+        (bundle / "policy.json").write_text(json.dumps({
+            "name": bundle.name, "labels": {"compliant": " Compliant", "violation": " Violation"},
             "template": {"prefix": POLICY_PREFIX.format(a=a), "suffix": "\nVerdict:"},
             "calibration": {"a": 1.0, "b": 0.0}, "threshold": 0.5}))
     base = model.unload()
@@ -82,22 +77,18 @@ def write_input(root: Path, name: str, tokenizer) -> Path:
 
 
 def engine_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
-    """Token ids in, f out: the conversations encoded up front, scored twice (warm-up, then timed). Also prints
-    what reading and tokenizing the file take alone (the CLI's first chunk waits for them)."""
-    bundles = sorted((root / "bundles").iterdir(), key=lambda p: int(p.name[1:]))
-    engine = Engine(root / "model", [load_policy(p) for p in bundles], EngineSettings(device=device))
+    """Token ids in, f out: the file read and tokenized as the CLI does it (timed alone: a one-chunk file's rows
+    wait for it), then the conversations scored twice (warm-up, then timed)."""
+    engine = Engine(root / "model", load_policies([root / "bundles"]), EngineSettings(device=device))
     t0 = time.perf_counter()
     chunks = list(_encoded(engine, [src], ReadSpec(max_chars=clip_chars(engine.settings.max_length))))
     print(f"reading and tokenizing {src.name} alone ({len(chunks)} chunk(s)): {time.perf_counter() - t0:.3f} s",
           flush=True)
-    texts = [engine.encoder.render(m) for m in pq.read_table(src).column("messages").to_pylist()]
-    convs = [np.asarray(c, dtype=np.int32) for c in engine.encoder.encode_batch(texts)]
-    engine.score_conversations(convs)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    convs = [c for _, chunk_convs in chunks for c in chunk_convs]
+    engine.score_conversations(convs)  # score_conversations returns host arrays: the GPU is done after each
     t0 = time.perf_counter()
     _, tokens, _ = engine.score_conversations(convs)
-    dt = time.perf_counter() - t0  # score_conversations returns host arrays: the GPU is done
+    dt = time.perf_counter() - t0
     del engine
     return tokens, dt
 
