@@ -1,0 +1,286 @@
+"""Warp-specialized ping-pong FP8 GEMM + multi-LoRA expand (+ bias, + residual) (+ SiLU-and-mul), Hopper.
+
+Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype) @ B[token_adapter].T
+(+ bias) (+ residual), fp32 accumulation, one rounding to y's dtype; with silu_out, W's rows alternate
+gate and up and y = silu(y[:, 0::2]) * y[:, 1::2] — reference.lora_gemm, as kernels.lora_gemm.
+
+Why: in the Triton persistent kernel (lora_gemm.py) a tile's epilogue (scales, expand, residual, store)
+runs while the tensor cores idle; Triton 3.6's automatic warp specialization did not change that (run 16),
+and the GEMM stayed at ~80% of the FP8 peak (bench/NOTES.md). Here, as in CUTLASS's ping-pong schedule,
+one loader warp streams the tiles' operands through a ring of shared-memory stages by TMA, and two
+consumer warpgroups take alternate tiles, their mainloops in turn: while one runs a tile's MMAs, the other
+runs the previous tile's epilogue. Each consumer owns a 128x128 fp32 accumulator (128 registers a thread),
+which is why tiles are 128x128. The residual arrives by TMA during the mainloop and the output leaves by TMA:
+[128, 128] tiles of pointers in registers spilled (ptxas, 744-904 bytes of stack a thread).
+The expand is one bf16 MMA per adapter in the tile, s from registers and B's slice staged in shared memory.
+Batch invariance: BK is fixed and K is reduced in order by one warpgroup, and no tile choice depends on
+M; every FP8 GEMM on the GPU runs here, so a row's bits do not depend on the batch.
+CPU / interpreter: Gluon has no interpreter; the same semantics run in lora_gemm.py's Triton kernel under
+TRITON_INTERPRET=1, and this kernel is tested on the GPU against the same twin (tests/test_kernels.py).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Triton 3.6 (the device's) takes (default_args, default_fn, worker_args, worker_fns, warps, regs);
+# later versions a list of (fn, args). Chosen once here, passed to the kernel as a constexpr.
+_WS_LIST_API = "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+
+# TMA copies: Triton 3.6 names them async_copy_global_to_shared / async_copy_shared_to_global, later
+# versions async_load / async_store (and remove the old names).
+if hasattr(tma, "async_load"):
+    @gluon.jit
+    def _tma_load(desc, coord, bar, buf):
+        tma.async_load(desc, coord, bar, buf)
+
+    @gluon.jit
+    def _tma_store(desc, coord, buf):
+        tma.async_store(desc, coord, buf)
+else:
+    @gluon.jit
+    def _tma_load(desc, coord, bar, buf):
+        tma.async_copy_global_to_shared(desc, coord, bar, buf)
+
+    @gluon.jit
+    def _tma_store(desc, coord, buf):
+        tma.async_copy_shared_to_global(desc, coord, buf)
+
+# 4 stages of 32 KB + two 32 KB output tiles + two B slices: 200 KB of the 227 KB of shared memory
+BM, BN, BK, STAGES = 128, 128, 128, 4
+
+
+@gluon.jit
+def _tile(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """Grouped tile order (as lora_gemm._tile): neighbouring tiles share W tiles in L2."""
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, BN)
+    group = tile // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    return first_m + (tile % (GROUP_M * num_n)) % size_m, (tile % (GROUP_M * num_n)) // size_m
+
+
+@gluon.jit
+def _load(args, flags):
+    """Loader warp: x and W tiles of every tile of this program, in order, into the stage ring."""
+    x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, K = args[0], args[1], args[4], args[5], args[8], args[9], \
+        args[18], args[19], args[20]
+    GROUP_M: gl.constexpr = flags[4]
+    NUM_PROGS: gl.constexpr = flags[5]
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    S: gl.constexpr = a_bufs.type.shape[0]
+    nk = gl.cdiv(K, BK)
+    pid = gl.program_id(0)
+    n_tiles = gl.cdiv(gl.cdiv(M, BM) * gl.cdiv(N, BN) - pid, NUM_PROGS)
+    for i in range(n_tiles):
+        pid_m, pid_n = _tile(pid + i * NUM_PROGS, M, N, BM, BN, GROUP_M)
+        for kk in range(nk):
+            pos = i * nk + kk
+            s = pos % S
+            mbarrier.wait(empty.index(s), ((pos // S) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            _tma_load(x_desc, [pid_m * BM, kk * BK], ready.index(s), a_bufs.index(s))
+            _tma_load(w_desc, [pid_n * BN, kk * BK], ready.index(s), b_bufs.index(s))
+
+
+@gluon.jit
+def _consume(args, flags, ROLE: gl.constexpr):
+    """Consumer warpgroup ROLE: the MMAs and the epilogue of this program's tiles ROLE, ROLE + 2, ..."""
+    (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
+    HAS_LORA: gl.constexpr = flags[0]
+    HAS_BIAS: gl.constexpr = flags[1]
+    HAS_RES: gl.constexpr = flags[2]
+    SILU_OUT: gl.constexpr = flags[3]
+    GROUP_M: gl.constexpr = flags[4]
+    NUM_PROGS: gl.constexpr = flags[5]
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    BR: gl.constexpr = l_bufs.type.shape[2]
+    S: gl.constexpr = a_bufs.type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    # the expand's bf16 MMA (k = 16 per instruction); the accumulator's registers are laid out the same
+    mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    s_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma16, k_width=2)
+    b_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    rows: gl.constexpr = gl.SliceLayout(1, mma16)
+    cols: gl.constexpr = gl.SliceLayout(0, mma16)
+    c_smem = c_bufs.index(ROLE)
+    l_smem = l_bufs.index(ROLE)
+    nk = gl.cdiv(K, BK)
+    pid = gl.program_id(0)
+    n_tiles = gl.cdiv(gl.cdiv(M, BM) * gl.cdiv(N, BN) - pid, NUM_PROGS)
+    for i in range(ROLE, n_tiles, 2):
+        pid_m, pid_n = _tile(pid + i * NUM_PROGS, M, N, BM, BN, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        if HAS_RES:
+            # the residual tile comes by TMA into the output buffer while the MMAs run
+            tma.store_wait(0)
+            mbarrier.expect(res_bar.index(ROLE), r_desc.block_type.nbytes)
+            _tma_load(r_desc, [off_m, off_n], res_bar.index(ROLE), c_smem)
+        acc = gl.zeros([BM, BN], gl.float32, mma)
+        # Mainloops take turns in tile order: tile i starts once tile i - 1 has passed all its waits on
+        # `ready`. Besides the ping-pong itself this keeps the parity waits sound: when a stage is waited
+        # for, its previous fill has already been waited for, so the barrier is never two phases behind.
+        mbarrier.wait(order.index(ROLE), ((i - 1) // 2) & 1, pred=i > 0)
+        for kk in range(nk):
+            pos = i * nk + kk
+            s = pos % S
+            mbarrier.wait(ready.index(s), (pos // S) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            # one MMA in flight: the previous step's is done, so its stage goes back to the loader
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            mbarrier.arrive(empty.index((pos + S - 1) % S), count=1, pred=kk > 0)
+        mbarrier.arrive(order.index(1 - ROLE), count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((i * nk + nk - 1) % S), count=1)
+
+        acc = gl.convert_layout(acc, mma16)
+        rm = off_m + gl.arange(0, BM, layout=rows)
+        rn = off_n + gl.arange(0, BN, layout=cols)
+        m_ok = rm < M
+        n_ok = rn < N
+        xs = gl.load(xs_ptr + rm, mask=m_ok, other=0.0)
+        ws = gl.load(ws_ptr + rn, mask=n_ok, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+        if HAS_LORA:
+            sm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+            sr = gl.arange(0, BR, layout=gl.SliceLayout(0, s_layout))
+            ad_s = gl.load(ad_ptr + sm, mask=sm < M, other=-1)
+            sv = gl.load(s_ptr + sm[:, None] * stride_sm + sr[None, :], mask=(sm < M)[:, None] & (sr < R)[None, :],
+                         other=0.0)
+            bn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, b_layout))
+            br = gl.arange(0, BR, layout=gl.SliceLayout(0, b_layout))
+            lo = gl.min(gl.where(ad_s >= 0, ad_s, 2147483647), axis=0)
+            hi = gl.max(ad_s, axis=0)
+            # rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows
+            for a_id in range(lo, hi + 1):
+                bt = gl.load(b_ptr + a_id * stride_bn_a + bn[:, None] * stride_bn + br[None, :],
+                             mask=(bn < N)[:, None] & (br < R)[None, :], other=0.0)
+                l_smem.store(bt)
+                fence_async_shared()
+                a_op = gl.where((ad_s == a_id)[:, None], sv, 0.0).to(b_ptr.dtype.element_ty)
+                acc = warpgroup_mma(a_op, l_smem.permute((1, 0)), acc)
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(gl.float32)[None, :]
+        if HAS_RES:
+            mbarrier.wait(res_bar.index(ROLE), (i // 2) & 1)
+            acc += c_smem.load(mma16).to(gl.float32)
+        else:
+            tma.store_wait(0)
+        if SILU_OUT:
+            g, u = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
+            c_smem.store((g / (1.0 + gl.exp(-g)) * u).to(y_desc.dtype))
+            fence_async_shared()
+            _tma_store(y_desc, [off_m, pid_n * (BN // 2)], c_smem)
+        else:
+            c_smem.store(acc.to(y_desc.dtype))
+            fence_async_shared()
+            _tma_store(y_desc, [off_m, off_n], c_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consume_even(args, flags):
+    _consume(args, flags, 0)
+
+
+@gluon.jit
+def _consume_odd(args, flags):
+    _consume(args, flags, 1)
+
+
+@gluon.jit
+def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr,
+                         M, N, K, R, stride_sm, stride_bn_a, stride_bn,
+                         HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                         SILU_OUT: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS: gl.constexpr,
+                         STAGES: gl.constexpr, BR: gl.constexpr, LIST_API: gl.constexpr):
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    # per consumer: its output tile (the residual lands there first) and its adapter's B slice
+    c_bufs = gl.allocate_shared_memory(y_desc.dtype, [2] + y_desc.block_type.shape, y_desc.layout)
+    l_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BR], gl.bfloat16)
+    l_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BR], l_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    res_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+        mbarrier.init(res_bar.index(i), count=1)
+    args = (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
+            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn)
+    # The flags are written out in the calls: a tuple assigned to a local turns constexprs into runtime values.
+    # 12 warps in all (the loader's warp rounds up to a warpgroup): 232 registers for each consumer and
+    # 40 for the loader fill the 64K register file at maxnreg=168 (CUTLASS's ping-pong split).
+    if LIST_API:
+        gl.warp_specialize([
+            (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
+            (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
+            (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
+        ], [4, 1], [232, 40])
+    else:
+        gl.warp_specialize((args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS)), _consume_even,
+                           (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS)),
+                           [_consume_odd, _load], [4, 1], [232, 40])
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides, and a contiguous last dimension."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in ts)
+
+
+def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Tensor | None,
+           B: torch.Tensor | None) -> bool:
+    """Whether lora_gemm_ws takes this call: FP8 on a Hopper GPU, TMA-able operands, ranks up to 64."""
+    return (x.is_cuda and x.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(x.device)[0] == 9
+            and (B is None or (B.dtype == torch.bfloat16 and B.shape[2] <= 64))
+            and _tma_ok(x, W, y, *([residual] if residual is not None else [])))
+
+
+def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scale: torch.Tensor,
+                 s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
+                 bias: torch.Tensor | None, residual: torch.Tensor | None, y: torch.Tensor,
+                 silu_out: bool = False, stages: int = STAGES) -> torch.Tensor:
+    """Launcher for FP8 x [M, K] and W [N, K] (row scales x_scale [M], w_scale [N]) into y; the caller,
+    kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`."""
+    M, K = x.shape
+    N = W.shape[0]
+    if not usable(x, W, y, residual, B) or x_scale is None or w_scale is None:
+        raise ValueError("lora_gemm_ws takes FP8 x and W with row scales on a Hopper GPU, TMA-aligned rows, "
+                         "bf16 B of rank <= 64; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
+    f8 = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
+    xd = TensorDescriptor.from_tensor(x, [BM, BK], f8)
+    wd = TensorDescriptor.from_tensor(W, [BN, BK], f8)
+    y_block = [BM, BN // 2 if silu_out else BN]
+    yd = TensorDescriptor.from_tensor(y, y_block, gl.NVMMASharedLayout.get_default_for(y_block, gl.bfloat16))
+    rd = TensorDescriptor.from_tensor(residual, [BM, BN], yd.layout) if residual is not None else yd
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    R = s.shape[1] if s is not None else 0
+    _lora_gemm_ws_kernel[(min(tiles, sms),)](
+        xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
+        token_adapter, bias if bias is not None else y, M, N, K, R,
+        s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
+        HAS_LORA=s is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU_OUT=silu_out,
+        GROUP_M=8, NUM_PROGS=sms, STAGES=stages, BR=max(16, triton.next_power_of_2(max(R, 1))),
+        LIST_API=_WS_LIST_API, num_warps=4, maxnreg=168)
+    return y
