@@ -146,7 +146,7 @@ def sweep_gemm_ws() -> None:
     memory-hungry) and TF/s at W1's and W4's shapes."""
     from policyscan.kernels.lora_gemm_ws import lora_gemm_ws
     g = torch.Generator(device="cuda").manual_seed(0)
-    for M, N, K, kind in [(1000, 1000, 1008, "qkv"), (333, 2050, 512, "o"), (4097, 770, 2048, "gate_up"),
+    for M, N, K, kind in [(1000, 1000, 1008, "qkv"), (333, 2056, 512, "o"), (4097, 784, 2048, "gate_up"),
                           (129, 3072, 3072, "down"), (700, 640, 256, "plain")]:
         args, so, y64 = _gemm_case(M, N, K, kind, g)
         tri = lora_gemm(*args, silu_out=so)
