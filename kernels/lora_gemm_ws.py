@@ -20,6 +20,7 @@ TRITON_INTERPRET=1, and this kernel is tested on the GPU against the same twin (
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -242,6 +243,11 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
                            [_consume_odd, _load], [4, 1], [232, 40])
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, cols: int, fp8: bool) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv if fp8 else gl.bfloat16)
+
+
 def _tma_ok(*ts: torch.Tensor) -> bool:
     """TMA descriptors need 16-byte aligned bases and row strides, and a contiguous last dimension."""
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
@@ -250,8 +256,10 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
 
 def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Tensor | None,
            B: torch.Tensor | None) -> bool:
-    """Whether lora_gemm_ws takes this call: FP8 on a Hopper GPU, TMA-able operands, ranks up to 64."""
+    """Whether lora_gemm_ws takes this call: FP8 in, bf16 out on a Hopper GPU, TMA-able operands, ranks up to 64
+    (with 64 ranks the B slices take shared memory to ~230,000 of the 232,448 bytes a block may have)."""
     return (x.is_cuda and x.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(x.device)[0] == 9
+            and y.dtype == torch.bfloat16 and (residual is None or residual.dtype == torch.bfloat16)
             and (B is None or (B.dtype == torch.bfloat16 and B.shape[2] <= 64))
             and _tma_ok(x, W, y, *([residual] if residual is not None else [])))
 
@@ -267,11 +275,10 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     if not usable(x, W, y, residual, B) or x_scale is None or w_scale is None:
         raise ValueError("lora_gemm_ws takes FP8 x and W with row scales on a Hopper GPU, TMA-aligned rows, "
                          "bf16 B of rank <= 64; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
-    f8 = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
-    xd = TensorDescriptor.from_tensor(x, [BM, BK], f8)
-    wd = TensorDescriptor.from_tensor(W, [BN, BK], f8)
+    xd = TensorDescriptor.from_tensor(x, [BM, BK], _smem_layout(BM, BK, True))
+    wd = TensorDescriptor.from_tensor(W, [BN, BK], _smem_layout(BN, BK, True))
     y_block = [BM, BN // 2 if silu_out else BN]
-    yd = TensorDescriptor.from_tensor(y, y_block, gl.NVMMASharedLayout.get_default_for(y_block, gl.bfloat16))
+    yd = TensorDescriptor.from_tensor(y, y_block, _smem_layout(*y_block, False))
     rd = TensorDescriptor.from_tensor(residual, [BM, BN], yd.layout) if residual is not None else yd
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count

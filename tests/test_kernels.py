@@ -146,6 +146,22 @@ def test_varlen_attention(device, window, last_only):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("residual,bias,silu", [(False, False, False), (True, False, False), (False, True, True)])
+def test_fp8_gemm_kernels_agree_bitwise(residual, bias, silu):
+    """On Hopper, FP8 goes to the warp-specialized Gluon kernel; the Triton kernel (a `config`, or the fallback
+    for operands TMA cannot take) must give the same bits, so that no batch or model shape changes a row."""
+    from policyscan.kernels import lora_gemm_ws
+    g = gen()
+    for M, N, K, r, n_ad in GPU_GEMM_SHAPES:
+        N += N % 2 if silu else 0
+        case, _ = gemm_case(M, N, K, r, n_ad, torch.bfloat16, True, residual, bias, g, "cuda")
+        ws_ = lora_gemm(**case, out_dtype=torch.bfloat16, silu_out=silu)
+        assert lora_gemm_ws.usable(case["x"], case["W"], ws_, case["residual"], case["B"])
+        tri = lora_gemm(**case, out_dtype=torch.bfloat16, silu_out=silu, config={"TMA": True, "PERSISTENT": True})
+        assert torch.equal(ws_, tri), f"M={M} N={N} K={K} r={r} n={n_ad} residual={residual} bias={bias} silu={silu}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_lora_gemm_rows_do_not_depend_on_batch(fp8):
     """Batch invariance: rows computed inside a large batch (other tile shape) equal the same rows alone."""
