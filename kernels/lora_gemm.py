@@ -192,9 +192,10 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     in place when given; `config` overrides the tile choice of the Triton kernel (bench/sweep.py). amax [M]
     fp32 (zeros, or lower bounds) is raised in place to each row's max |y * amax_weight| (y before its rounding).
 
-    FP8 on a Hopper GPU goes to the warp-specialized Gluon kernel (lora_gemm_ws.py) at every M, so a row's
-    bits never depend on which kernel the batch size picked; it gave bitwise the Triton kernel's rows in
-    every case checked (bench/sweep.py gemm_ws, run 22) and 1.02-1.10x its speed at W1's and W4's shapes."""
+    FP8 batches of more than 2048 rows on a Hopper GPU go to the warp-specialized Gluon kernel
+    (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes (bench/sweep.py gemm_ws,
+    run 22). Both give bitwise the same rows (every case checked there, and
+    tests/test_kernels.py::test_fp8_gemm_kernels_agree_bitwise), so the choice by M keeps batch invariance."""
     M, K = x.shape
     N = W.shape[0]
     if W.shape[1] != K or x.dtype != W.dtype:
@@ -226,7 +227,10 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     y = out if out is not None else torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     if M == 0:
         return y
-    if not config and lora_gemm_ws is not None and lora_gemm_ws.usable(x, W, y, residual, B) and x_scale is not None:
+    # Small batches stay on the Triton kernel: at M = 300 its 13 us beat the ping-pong's 14 us (72 tiles of
+    # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm, runs 9 and 25).
+    if (not config and M > 2048 and lora_gemm_ws is not None and x_scale is not None
+            and lora_gemm_ws.usable(x, W, y, residual, B)):
         return lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out,
                                          amax, amax_weight)
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
