@@ -10,7 +10,7 @@ import torch
 
 from policyscan.engine.config import ModelConfig, RopeConfig
 from policyscan.engine.layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
-from policyscan.engine.loader import GROUPS, wire_amax
+from policyscan.engine.loader import GROUPS
 from policyscan.engine.model import Decoder, DecoderLayer
 from policyscan.engine.quant import quantize_weight
 
@@ -100,7 +100,6 @@ def random_decoder(cfg: ModelConfig, n_adapters: int, rank: int, ops, device="cu
         for group, projs in GROUPS.items():
             getattr(layer, group).set_lora(stack(projs))
         layers.append(layer)
-    wire_amax(layers)  # as engine.loader.load_decoder: each FP8 GEMM writes the next prologue's row amax
     embed = rnd(cfg.vocab, cfg.hidden, scale=0.02)
     dec = Decoder(cfg, embed, layers, ones, ops, lambda ids: embed[ids].float())
     dec.head = torch.randn(n_adapters, cfg.hidden, generator=g, device=device) * 0.02

@@ -42,9 +42,6 @@ class DenseLoraLinear:
 
     quantized = False
     weight_scale: torch.Tensor | None = None
-    # FP8 layers only (wired by the loader): the prologue that quantizes this layer's output. The GEMM then
-    # also writes each row's amax(|y * its norm weight|), so that prologue reads y once instead of twice.
-    feeds: Prologue | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prologue: Prologue, ops: ModuleType,
                  silu_out: bool = False):
@@ -61,19 +58,13 @@ class DenseLoraLinear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None = None,
-                 x_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(y, amax of y for the prologue it feeds, or None). x_amax: x's amax from the layer that wrote it."""
+    def __call__(self, x: torch.Tensor, token_adapter: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
         p, lora = self.prologue, self.lora
         h, h_scale, s = self.ops.prologue(x, p.norm_weight, p.eps, lora.A if lora else None, token_adapter,
-                                          self.quantized, x_amax)
-        amax = None
-        if self.feeds is not None:
-            amax = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-        y = self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, lora.B if lora else None,
-                               token_adapter, self.bias, residual, x.dtype, self.silu_out, amax,
-                               self.feeds.norm_weight if self.feeds is not None else None)
-        return y, amax
+                                          self.quantized)
+        return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, lora.B if lora else None,
+                                  token_adapter, self.bias, residual, x.dtype, self.silu_out)
 
 
 class Fp8LoraLinear(DenseLoraLinear):

@@ -67,20 +67,8 @@ def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str =
             q_norm=norm(pre + "self_attn.q_norm.weight") if cfg.qk_norm else None,
             k_norm=norm(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None,
         ))
-    wire_amax(layers)
     embed = get("model.embed_tokens.weight").to(dtype)
     return Decoder(cfg, embed, layers, norm("model.norm.weight"), ops, _head_reader(ckpt))
-
-
-def wire_amax(layers: list[DecoderLayer]) -> None:
-    """Each FP8 GEMM whose output an FP8 prologue reads next computes that prologue's row amax: o feeds
-    gate_up, gate_up feeds down, down feeds the next layer's qkv (the last down feeds the final norm, which is
-    not quantized). Layer 0's qkv (embeddings in) and o (attention in) sweep their input twice."""
-    for i, layer in enumerate(layers):
-        nxt = layers[i + 1].qkv if i + 1 < len(layers) else None
-        for producer, consumer in ((layer.o, layer.gate_up), (layer.gate_up, layer.down), (layer.down, nxt)):
-            if producer.quantized and consumer is not None and consumer.quantized:
-                producer.feeds = consumer.prologue
 
 
 def _head_reader(ckpt: Checkpoint):

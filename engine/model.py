@@ -69,13 +69,12 @@ class Decoder:
         if prefix is not None:  # a sequence's own tokens start after its policy's cached prefix
             positions = positions + prefix.length[batch.token_adapter.long()]
         h = self.embed[batch.ids]
-        amax = None  # h's row amax for the next FP8 prologue, when the layer that wrote h gave one
         tok_ad, last = batch.token_adapter, batch.last_idx
         for i, layer in enumerate(self.layers):
             # The last layer only needs each sequence's last token past the K/V projections: exact pruning.
             last_only = i == len(self.layers) - 1
-            qkv, _ = layer.qkv(h, tok_ad, x_amax=amax)
-            qkv = ops.rope_qk(qkv, positions, cos, sin, shape, layer.q_norm, layer.k_norm, cfg.rms_eps)
+            qkv = ops.rope_qk(layer.qkv(h, tok_ad), positions, cos, sin, shape, layer.q_norm, layer.k_norm,
+                              cfg.rms_eps)
             if capture is not None:  # rotated rows: a cached prefix is read as keys at its own positions
                 capture.append(qkv)
             pkv = PrefixKV(prefix.layers[i], *seq_pre) if prefix is not None else None
@@ -83,9 +82,8 @@ class Decoder:
                                         last_only=last_only, prefix=pkv)
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
-            h, amax = layer.o(attn, tok_ad, residual=h)
-            act, act_amax = layer.gate_up(h, tok_ad, x_amax=amax)
-            h, amax = layer.down(act, tok_ad, residual=h, x_amax=act_amax)
+            h = layer.o(attn, tok_ad, residual=h)
+            h = layer.down(layer.gate_up(h, tok_ad), tok_ad, residual=h)
         hn = ops.rmsnorm(h, self.norm, cfg.rms_eps).float()
         return (hn * self.head[batch.seq_adapter.long()]).sum(-1)
 

@@ -2,11 +2,7 @@
 
 Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype) @ B[token_adapter].T
 (+ bias) (+ residual), fp32 accumulation, one rounding to y's dtype; with silu_out, W's rows alternate
-gate and up and y = silu(y[:, 0::2]) * y[:, 1::2]; with amax, amax = max(amax, |y * amax_weight|.amax(-1))
-over y before its rounding — reference.lora_gemm.
-
-Why amax here: the next FP8 prologue needs each row's amax before it can quantize; computed by the kernel
-that writes the row (with the next norm's weight), the prologue reads its input once instead of twice.
+gate and up and y = silu(y[:, 0::2]) * y[:, 1::2] — reference.lora_gemm.
 
 Why SiLU-and-mul here: as the down projection's prologue it re-read the [T, 2I] gate/up output twice,
 392 us of each 16k-token batch per layer at W1's shape (bench/sweep.py, run 4); here gate and up sit
@@ -42,12 +38,10 @@ def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
-              amax_ptr, aw_ptr, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
+              stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
               HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-              SILU_OUT: tl.constexpr, AMAX: tl.constexpr, AMAX_W: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
-    """Scales, the multi-LoRA expand, bias, residual, SiLU-and-mul, the store of one [BM, BN] tile, and the
-    tile's part of the next prologue's row amax."""
+              SILU_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+    """Scales, the multi-LoRA expand, bias, residual, SiLU-and-mul and the store of one [BM, BN] tile."""
     m_ok, n_ok = rm < M, rn < N
     if HAS_SCALE:
         xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
@@ -74,28 +68,21 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         acc += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     if SILU_OUT:
         g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
-        acc = g / (1.0 + tl.exp(-g)) * u
-        rn = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-        n_ok = rn < N // 2
-        mask = m_ok[:, None] & n_ok[None, :]
-    if AMAX:
-        # From the fp32 values before their rounding (one temporary less than from y: run 13 measured the
-        # y form at +0.17 s of GEMM time per W1 pass). Columns past N hold zeros (masked or out-of-bounds
-        # loads), so no mask is needed. max is order-free: whatever tiles cover a row, its amax is the same.
-        v = tl.abs(acc)
-        if AMAX_W:
-            v = v * tl.abs(tl.load(aw_ptr + rn, mask=n_ok, other=0.0).to(tl.float32))[None, :]
-        tl.atomic_max(amax_ptr + rm, tl.max(v, axis=1), mask=m_ok)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        h = g / (1.0 + tl.exp(-g)) * u
+        rh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rh[None, :], h.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & (rh[None, :] < N // 2))
+    else:
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _lora_gemm_kernel(
-    x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr, aw_ptr,
+    x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
     M, N, K, R,
     stride_xm, stride_wn, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
     HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU_OUT: tl.constexpr, AMAX: tl.constexpr, AMAX_W: tl.constexpr,
+    SILU_OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -115,17 +102,17 @@ def _lora_gemm_kernel(
         x_ptrs += BK
         w_ptrs += BK
     _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
-              amax_ptr, aw_ptr, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
-              HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, AMAX, AMAX_W, BM, BN, BR, PREC)
+              stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
+              HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, BM, BN, BR, PREC)
 
 
 @triton.jit
 def _lora_gemm_tma_kernel(
-    x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr, aw_ptr,
+    x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
     M, N, K, R,
     stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
     HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU_OUT: tl.constexpr, AMAX: tl.constexpr, AMAX_W: tl.constexpr,
+    SILU_OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
     PREC: tl.constexpr, NUM_PROGS: tl.constexpr,
 ):
@@ -142,8 +129,8 @@ def _lora_gemm_tma_kernel(
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
-                  amax_ptr, aw_ptr, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
-                  HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, AMAX, AMAX_W, BM, BN, BR, PREC)
+                  stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
+                  HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, BM, BN, BR, PREC)
 
 
 def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict:
@@ -186,11 +173,9 @@ def _sm_count(device: torch.device) -> int:
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
-              silu_out: bool = False, amax: torch.Tensor | None = None, amax_weight: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+              silu_out: bool = False, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Launcher; same semantics as reference.lora_gemm. x [M, K], W [N, K], B [n, N, R]; `out` is written
-    in place when given; `config` overrides the tile choice of the Triton kernel (bench/sweep.py). amax [M]
-    fp32 (zeros, or lower bounds) is raised in place to each row's max |y * amax_weight| (y before its rounding).
+    in place when given; `config` overrides the tile choice of the Triton kernel (bench/sweep.py).
 
     FP8 batches of more than 2048 rows on a Hopper GPU go to the warp-specialized Gluon kernel
     (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes (bench/sweep.py gemm_ws,
@@ -220,10 +205,6 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     n_out = N // 2 if silu_out else N
     if out is not None and (out.shape != (M, n_out) or out.dtype != out_dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{M}, {n_out}] {out_dtype} with a contiguous last dimension")
-    if amax is not None and (amax.shape != (M,) or amax.dtype != torch.float32 or not amax.is_contiguous()):
-        raise ValueError(f"amax must be a contiguous fp32 [M] = [{M}], got {tuple(amax.shape)} {amax.dtype}")
-    if amax_weight is not None and (amax is None or amax_weight.shape != (n_out,)):
-        raise ValueError(f"amax_weight must be [{n_out}] (the output's width) and come with amax")
     y = out if out is not None else torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     if M == 0:
         return y
@@ -231,30 +212,38 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm, runs 9 and 25).
     if (not config and M > 2048 and lora_gemm_ws is not None and x_scale is not None
             and lora_gemm_ws.usable(x, W, y, residual, B)):
-        return lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out,
-                                         amax, amax_weight)
+        return lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out)
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
     tma, persistent = cfg.pop("TMA", False) and _tma_ok(x, W), cfg.pop("PERSISTENT", False)
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
-    def opt(t: torch.Tensor | None) -> torch.Tensor:
-        return t if t is not None else y  # an unused pointer argument
-    tensors = (y, opt(x_scale), opt(w_scale), opt(s), opt(B), token_adapter, opt(bias), opt(residual), opt(amax),
-               opt(amax_weight))
-    sizes = (M, N, K, R)
-    strides = (y.stride(0), s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0,
-               B.stride(1) if B is not None else 0, residual.stride(0) if residual is not None else 0)
-    flags = dict(HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
-                 HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=amax is not None,
-                 AMAX_W=amax_weight is not None, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                 BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
+    dummy = y
     if tma:
         # NUM_PROGS (the tile stride) is a constexpr: kept to a few values so that batches of new sizes do
         # not compile new kernels. Persistent: the SM count, with no more programs than tiles; otherwise
         # one tile per program and a stride of at least the tile count.
         stride = _sm_count(x.device) if persistent else triton.next_power_of_2(tiles)
+        progs = min(tiles, stride)
         xd = TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]])
         wd = TensorDescriptor.from_tensor(W, [cfg["BN"], cfg["BK"]])
-        _lora_gemm_tma_kernel[(min(tiles, stride),)](xd, wd, *tensors, *sizes, *strides, NUM_PROGS=stride, **flags)
-    else:
-        _lora_gemm_kernel[(tiles,)](x, W, *tensors, *sizes, x.stride(0), W.stride(0), *strides, **flags)
+        _lora_gemm_tma_kernel[(progs,)](
+            xd, wd, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
+            s if s is not None else dummy, B if B is not None else dummy,
+            token_adapter, bias if bias is not None else dummy, residual if residual is not None else dummy,
+            M, N, K, R, y.stride(0),
+            s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0,
+            B.stride(1) if B is not None else 0, residual.stride(0) if residual is not None else 0,
+            HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None, SILU_OUT=silu_out, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            BR=max(16, triton.next_power_of_2(max(R, 1))), NUM_PROGS=stride, **cfg)
+        return y
+    _lora_gemm_kernel[(tiles,)](
+        x, W, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
+        s if s is not None else dummy, B if B is not None else dummy,
+        token_adapter, bias if bias is not None else dummy, residual if residual is not None else dummy,
+        M, N, K, R, x.stride(0), W.stride(0), y.stride(0),
+        s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
+        residual.stride(0) if residual is not None else 0,
+        HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, SILU_OUT=silu_out, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
     return y

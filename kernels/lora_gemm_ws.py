@@ -31,8 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Triton 3.6 and later take a list of (fn, args); earlier Gluon took (default_args, default_fn,
-# worker_args, worker_fns, warps, regs). Chosen once here, passed to the kernel as a constexpr.
+# Triton 3.6 (the device's) takes (default_args, default_fn, worker_args, worker_fns, warps, regs);
+# later versions a list of (fn, args). Chosen once here, passed to the kernel as a constexpr.
 _WS_LIST_API = "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
 
 # TMA copies: Triton 3.6 names them async_copy_global_to_shared / async_copy_shared_to_global, later
@@ -72,9 +72,8 @@ def _tile(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr)
 @gluon.jit
 def _load(args, flags):
     """Loader warp: x and W tiles of every tile of this program, in order, into the stage ring."""
-    (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, aw_ptr, M, N, K, R, stride_sm, stride_bn_a,
-     stride_bn) = args
+    x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, K = args[0], args[1], args[4], args[5], args[8], args[9], \
+        args[18], args[19], args[20]
     GROUP_M: gl.constexpr = flags[4]
     NUM_PROGS: gl.constexpr = flags[5]
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -96,33 +95,16 @@ def _load(args, flags):
 
 
 @gluon.jit
-def _row_amax(v, off_m, off_n, M, N, amax_ptr, aw_ptr, AMAX_W: gl.constexpr):
-    """amax[row] = max(amax[row], max |v * aw| over this tile's columns), from the fp32 values before their
-    rounding, as lora_gemm._epilogue does. Columns past N hold zeros (TMA fills them), and max is order-free:
-    whatever tiles cover a row, its amax is the same."""
-    layout: gl.constexpr = v.type.layout
-    rm = off_m + gl.arange(0, v.shape[0], layout=gl.SliceLayout(1, layout))
-    a = gl.abs(v)
-    if AMAX_W:
-        rn = off_n + gl.arange(0, v.shape[1], layout=gl.SliceLayout(0, layout))
-        a = a * gl.abs(gl.load(aw_ptr + rn, mask=rn < N, other=0.0).to(gl.float32))[None, :]
-    gl.atomic_max(amax_ptr + rm, gl.max(a, axis=1), mask=rm < M)
-
-
-@gluon.jit
 def _consume(args, flags, ROLE: gl.constexpr):
     """Consumer warpgroup ROLE: the MMAs and the epilogue of this program's tiles ROLE, ROLE + 2, ..."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, aw_ptr, M, N, K, R, stride_sm, stride_bn_a,
-     stride_bn) = args
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
     HAS_LORA: gl.constexpr = flags[0]
     HAS_BIAS: gl.constexpr = flags[1]
     HAS_RES: gl.constexpr = flags[2]
     SILU_OUT: gl.constexpr = flags[3]
     GROUP_M: gl.constexpr = flags[4]
     NUM_PROGS: gl.constexpr = flags[5]
-    AMAX: gl.constexpr = flags[6]
-    AMAX_W: gl.constexpr = flags[7]
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -201,15 +183,10 @@ def _consume(args, flags, ROLE: gl.constexpr):
             tma.store_wait(0)
         if SILU_OUT:
             g, u = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
-            h = g / (1.0 + gl.exp(-g)) * u
-            if AMAX:
-                _row_amax(h, off_m, pid_n * (BN // 2), M, N // 2, amax_ptr, aw_ptr, AMAX_W)
-            c_smem.store(h.to(y_desc.dtype))
+            c_smem.store((g / (1.0 + gl.exp(-g)) * u).to(y_desc.dtype))
             fence_async_shared()
             _tma_store(y_desc, [off_m, pid_n * (BN // 2)], c_smem)
         else:
-            if AMAX:
-                _row_amax(acc, off_m, off_n, M, N, amax_ptr, aw_ptr, AMAX_W)
             c_smem.store(acc.to(y_desc.dtype))
             fence_async_shared()
             _tma_store(y_desc, [off_m, off_n], c_smem)
@@ -228,10 +205,9 @@ def _consume_odd(args, flags):
 
 @gluon.jit
 def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr,
-                         amax_ptr, aw_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn,
+                         M, N, K, R, stride_sm, stride_bn_a, stride_bn,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                          SILU_OUT: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS: gl.constexpr,
-                         AMAX: gl.constexpr, AMAX_W: gl.constexpr,
                          STAGES: gl.constexpr, BR: gl.constexpr, LIST_API: gl.constexpr):
     BN: gl.constexpr = w_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -251,22 +227,20 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
         mbarrier.init(order.index(i), count=1)
         mbarrier.init(res_bar.index(i), count=1)
     args = (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, aw_ptr, M, N, K, R, stride_sm, stride_bn_a,
-            stride_bn)
+            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn)
     # The flags are written out in the calls: a tuple assigned to a local turns constexprs into runtime values.
     # 12 warps in all (the loader's warp rounds up to a warpgroup): 232 registers for each consumer and
     # 40 for the loader fill the 64K register file at maxnreg=168 (CUTLASS's ping-pong split).
     if LIST_API:
         gl.warp_specialize([
-            (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W))),
-            (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W))),
-            (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W))),
+            (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
+            (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
+            (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
         ], [4, 1], [232, 40])
-    else:  # the 3.5-era form
-        gl.warp_specialize(
-            (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W)), _consume_even,
-            (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W)),
-            [_consume_odd, _load], [4, 1], [232, 40])
+    else:
+        gl.warp_specialize((args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS)), _consume_even,
+                           (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS)),
+                           [_consume_odd, _load], [4, 1], [232, 40])
 
 
 @functools.lru_cache(maxsize=None)
@@ -293,8 +267,7 @@ def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Te
 def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scale: torch.Tensor,
                  s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
                  bias: torch.Tensor | None, residual: torch.Tensor | None, y: torch.Tensor,
-                 silu_out: bool = False, amax: torch.Tensor | None = None, amax_weight: torch.Tensor | None = None,
-                 stages: int = STAGES) -> torch.Tensor:
+                 silu_out: bool = False, stages: int = STAGES) -> torch.Tensor:
     """Launcher for FP8 x [M, K] and W [N, K] (row scales x_scale [M], w_scale [N]) into y; the caller,
     kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`."""
     M, K = x.shape
@@ -312,11 +285,9 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     R = s.shape[1] if s is not None else 0
     _lora_gemm_ws_kernel[(min(tiles, sms),)](
         xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
-        token_adapter, bias if bias is not None else y, amax if amax is not None else x_scale,
-        amax_weight if amax_weight is not None else y, M, N, K, R,
+        token_adapter, bias if bias is not None else y, M, N, K, R,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         HAS_LORA=s is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU_OUT=silu_out,
-        GROUP_M=8, NUM_PROGS=sms, AMAX=amax is not None, AMAX_W=amax_weight is not None, STAGES=stages,
-        BR=max(16, triton.next_power_of_2(max(R, 1))),
+        GROUP_M=8, NUM_PROGS=sms, STAGES=stages, BR=max(16, triton.next_power_of_2(max(R, 1))),
         LIST_API=_WS_LIST_API, num_warps=4, maxnreg=168)
     return y

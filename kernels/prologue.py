@@ -2,14 +2,11 @@
 
 Semantics: h = rmsnorm(x, w) if a norm weight is given else x, rounded to x.dtype;
 (h8, h_scale) = quantize_rows(h) when quantizing (else h itself); s = h @ A[token_adapter].T in fp32
-(zeros for adapter -1). Given x_amax = amax(|x * w|) per row (FP8 only): h8 = x * w * (448 / x_amax),
-h_scale = rstd * x_amax / 448, s = (x * w rounded to x.dtype) @ A.T * rstd — reference.prologue.
+(zeros for adapter -1) — reference.prologue.
 
-The shrink reads the 16-bit activations, never the FP8 ones (DESIGN.md). One program owns BM rows and
-sweeps K in chunks: without x_amax twice, once for the row statistics (norm, amax) and once to write and
-shrink; with it once, since the norm's rstd cancels out of the FP8 values. At W1's shape the rows a
-program keeps in flight outgrow L2, so the second sweep reads HBM again (bench/NOTES.md). Three sweeps
-with 16-row programs took 1.10 s of W1's 6.3 s GPU time.
+The shrink reads the 16-bit h, never the FP8 one (DESIGN.md). One program owns BM rows and sweeps K in
+chunks twice: once for the row statistics (norm, amax), once to write and shrink; the second read of its
+rows hits L2. Three sweeps with 16-row programs took 1.10 s of W1's 6.3 s GPU time (bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -35,26 +32,20 @@ def _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM: tl.constexpr
 
 @triton.jit
 def _prologue_kernel(
-    x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr, amax_ptr,
+    x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr,
     M, K, R, eps,
     stride_xm, stride_hm, stride_an, stride_ar, stride_sm,
-    NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr, GIVEN_AMAX: tl.constexpr,
+    NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr,
 ):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < M
     nk = tl.cdiv(K, BK)
+    # One sweep for the row statistics: the norm's sum of squares and the amax that sets the FP8 scale.
+    # amax(rmsnorm(x)) = rstd * amax(x * w), so a normed row needs no extra sweep.
     rstd = tl.zeros((BM,), dtype=tl.float32)
     scale = tl.full((BM,), 1.0, dtype=tl.float32)
-    if GIVEN_AMAX:
-        # amax(|x * w|) came from the kernel that wrote x: the norm's rstd cancels out of the FP8 values
-        # (q = 448 x w / amax(x w)), so one sweep writes q and the shrink of x * w, and rstd is applied at the end.
-        amax = tl.load(amax_ptr + rm, mask=m_ok, other=0.0)
-        inv = tl.where(amax > 0, 448.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-        ss = tl.zeros((BM,), dtype=tl.float32)
-    elif NORM or QUANT:
-        # One sweep for the row statistics: the norm's sum of squares and the amax that sets the FP8 scale.
-        # amax(rmsnorm(x)) = rstd * amax(x * w), so a normed row needs no extra sweep.
+    if NORM or QUANT:
         ss = tl.zeros((BM,), dtype=tl.float32)
         mx = tl.zeros((BM,), dtype=tl.float32)
         for k in range(0, nk):
@@ -89,55 +80,35 @@ def _prologue_kernel(
     for k in range(0, nk):
         rk = k * BK + tl.arange(0, BK)
         mask = m_ok[:, None] & (rk[None, :] < K)
+        h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM)
         out_ptrs = h_ptr + rm[:, None] * stride_hm + rk[None, :]
-        if GIVEN_AMAX:
-            xr = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
-            x = xr.to(tl.float32)
-            if NORM:
-                ss += tl.sum(x * x, axis=1)
-                x = x * tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
-            q = tl.clamp(x * inv[:, None], -448.0, 448.0)
+        if QUANT:
+            q = tl.clamp(h.to(tl.float32) / scale[:, None], -448.0, 448.0)
             tl.store(out_ptrs, q.to(h_ptr.dtype.element_ty), mask=mask)
-            h = x.to(xr.dtype)  # the shrink's operand: x * w, rstd applied to s at the end
         else:
-            h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM)
-            if QUANT:
-                q = tl.clamp(h.to(tl.float32) / scale[:, None], -448.0, 448.0)
-                tl.store(out_ptrs, q.to(h_ptr.dtype.element_ty), mask=mask)
-            else:
-                tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
         if HAS_LORA:
             for a_id in range(lo, hi + 1):  # rows are sorted by adapter: usually one pass
                 at = tl.load(a_ptr + a_id * stride_an + rr[:, None] * stride_ar + rk[None, :],
                              mask=(rr[:, None] < R) & (rk[None, :] < K), other=0.0)
                 part = tl.dot(h.to(at.dtype), tl.trans(at), input_precision=PREC)
                 sacc += tl.where((ad == a_id)[:, None], part, 0.0)
-    if GIVEN_AMAX:
-        if NORM:
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
-        else:
-            rstd = tl.full((BM,), 1.0, dtype=tl.float32)
-        tl.store(hs_ptr + rm, tl.where(amax > 0, amax * rstd / 448.0, 1.0), mask=m_ok)
-        sacc = sacc * rstd[:, None]
     if HAS_LORA:
         tl.store(s_ptr + rm[:, None] * stride_sm + rr[None, :], sacc, mask=m_ok[:, None] & (rr[None, :] < R))
 
 
 def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
              A: torch.Tensor | None, token_adapter: torch.Tensor, quant: bool,
-             x_amax: torch.Tensor | None = None,
              out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
              config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Launcher; same semantics as reference.prologue. x [M, K]; x_amax [M] fp32 (FP8 only) is each row's
-    amax(|x * norm_weight|), as lora_gemm's amax output gives it; `out` (h, h_scale, s) is written in place
-    when given; `config` (BM, BK, num_warps) overrides the tile choice (bench/sweep.py)."""
+    """Launcher; same semantics as reference.prologue. x [M, K]; `out`
+    (h, h_scale, s) is written in place when given; `config` (BM, BK, num_warps) overrides the tile choice
+    (bench/sweep.py)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D with a contiguous last dimension, got {tuple(x.shape)}")
     M, K = x.shape
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not fit width {K}")
-    if x_amax is not None and (not quant or x_amax.shape != (M,) or x_amax.dtype != torch.float32):
-        raise ValueError(f"x_amax must be fp32 [M] = [{M}] and comes only with quantization")
     R = 0
     if A is not None:
         R = A.shape[1]
@@ -174,10 +145,9 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     _prologue_kernel[(triton.cdiv(M, BM),)](
         x, norm_weight if norm_weight is not None else dummy, A if A is not None else dummy, token_adapter,
         h, hs if hs is not None else dummy, s if s is not None else dummy,
-        x_amax if x_amax is not None else dummy, M, K, R, eps, x.stride(0), h.stride(0), A.stride(0) if A is not None else 0,
+        M, K, R, eps, x.stride(0), h.stride(0), A.stride(0) if A is not None else 0,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0,
-        NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None, GIVEN_AMAX=x_amax is not None,
+        NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None,
         BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
-        num_stages=cfg.get("num_stages", 3))
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
     return h, hs, s

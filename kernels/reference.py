@@ -83,18 +83,10 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_adapter: torch.Tensor) -
 
 
 def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: torch.Tensor | None,
-             token_adapter: torch.Tensor, quant: bool, x_amax: torch.Tensor | None = None
+             token_adapter: torch.Tensor, quant: bool
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Semantics: h = rmsnorm(x) if norm_weight is given else x, rounded to x.dtype;
-    returns (quantize_rows(h) or h, its row scales or None, lora_shrink(h, A) or None).
-
-    x_amax (FP8 only): each row's amax(|x * norm_weight|), from the kernel that wrote x. Then the values are
-    quantized from x * w unnormalized (the norm's rstd cancels): h8 = x * w * (448 / x_amax), scale =
-    rstd * x_amax / 448, s = lora_shrink(x * w rounded to x.dtype) * rstd — one sweep over x on the GPU."""
-    if x_amax is not None:
-        if not quant:
-            raise ValueError("x_amax comes only with FP8 quantization")
-        return _prologue_given_amax(x, norm_weight, eps, A, token_adapter, x_amax)
+    returns (quantize_rows(h) or h, its row scales or None, lora_shrink(h, A) or None)."""
     h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
     s = lora_shrink(h, A, token_adapter) if A is not None else None
     if quant:
@@ -103,43 +95,13 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: t
     return h, None, s
 
 
-def _prologue_given_amax(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: torch.Tensor | None,
-                         token_adapter: torch.Tensor, x_amax: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    xf = x.to(_acc(x))
-    amax = x_amax.to(xf.dtype)
-    rstd = torch.ones_like(amax)
-    if norm_weight is not None:
-        xf = xf * norm_weight.to(xf.dtype)
-        rstd = row_blocks(lambda xb: torch.rsqrt(xb.to(_acc(xb)).pow(2).mean(-1) + eps), x).to(xf.dtype)
-    inv = torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
-    h8 = (xf * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    scale = torch.where(amax > 0, amax * rstd / FP8_MAX, torch.ones_like(amax)).float()
-    s = lora_shrink(xf.to(x.dtype), A, token_adapter) * rstd[:, None] if A is not None else None
-    return h8, scale, s
-
-
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
-              silu_out: bool = False, amax: torch.Tensor | None = None,
-              amax_weight: torch.Tensor | None = None) -> torch.Tensor:
+              silu_out: bool = False) -> torch.Tensor:
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
     (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K].
-    silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2].
-    amax [M] fp32: raised in place to max |y| * |amax_weight| per row over y before its rounding, in fp32
-    (the next prologue's x_amax; within a rounding of the stored row's, which the quantizer's clamp absorbs)."""
-    acc = _lora_acc(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out)
-    if amax is not None and acc.shape[0]:
-        v = (acc if acc.dtype == torch.float64 else acc.float()).abs()
-        if amax_weight is not None:
-            v = v * amax_weight.to(v.dtype).abs()
-        torch.maximum(amax, v.amax(-1), out=amax)
-    return acc.to(out_dtype)
-
-
-def _lora_acc(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out) -> torch.Tensor:
-    """lora_gemm before its final rounding."""
+    silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2]."""
     dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
     acc = rows_matmul(x.to(dt), W.to(dt))
     if x_scale is not None:
@@ -156,8 +118,8 @@ def _lora_acc(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_d
     if residual is not None:
         acc = acc + residual.to(dt)
     if silu_out:
-        return row_blocks(lambda a: F.silu(a[:, 0::2]) * a[:, 1::2], acc)
-    return acc
+        return row_blocks(lambda a: (F.silu(a[:, 0::2]) * a[:, 1::2]).to(out_dtype), acc)
+    return acc.to(out_dtype)
 
 
 def interleave_halves(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
