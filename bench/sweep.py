@@ -140,6 +140,9 @@ def _gemm_case(M: int, N: int, K: int, kind: str, g: torch.Generator, ref: bool 
     return args, so, y
 
 
+TRITON_BIG = {"TMA": True, "PERSISTENT": True}  # the Triton kernel's config for M > 2048 (a config forces Triton)
+
+
 def sweep_gemm_ws() -> None:
     """The warp-specialized ping-pong Gluon GEMM (kernels/lora_gemm_ws.py) against the Triton kernel's
     default config and torch._scaled_mm: error against fp64 (both kernels; small cases only, the einsum is
@@ -149,7 +152,7 @@ def sweep_gemm_ws() -> None:
     for M, N, K, kind in [(1000, 1000, 1008, "qkv"), (333, 2056, 512, "o"), (4097, 784, 2048, "gate_up"),
                           (129, 3072, 3072, "down"), (700, 640, 256, "plain")]:
         args, so, y64 = _gemm_case(M, N, K, kind, g)
-        tri = lora_gemm(*args, silu_out=so)
+        tri = lora_gemm(*args, silu_out=so, config=TRITON_BIG)
         ws_ = lora_gemm_ws(*args[:9], torch.full_like(tri, float("nan")), silu_out=so)
         e_t, e_w = ((o.double() - y64).abs().max().item() for o in (tri, ws_))
         print(f"gemm_ws check M={M} N={N} K={K} {kind}: max |err| triton {e_t:.3e}, ws {e_w:.3e}, "
@@ -163,7 +166,7 @@ def sweep_gemm_ws() -> None:
             out = torch.empty(M, N // 2 if so else N, device="cuda", dtype=torch.bfloat16)
             t = {"_scaled_mm": timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=xs[:, None], scale_b=ws[None, :],
                                                               out_dtype=torch.bfloat16)),
-                 "triton": timed(lambda: lora_gemm(*args, silu_out=so, out=out))}
+                 "triton": timed(lambda: lora_gemm(*args, silu_out=so, out=out, config=TRITON_BIG))}
             for st in (4, 5, 6):
                 t[f"ws{st}"] = timed(lambda: lora_gemm_ws(*args[:9], out, silu_out=so, stages=st))
             print(f"gemm_ws {name} {kind} M={M} N={N} K={K}: " +

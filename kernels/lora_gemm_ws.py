@@ -13,10 +13,14 @@ runs the previous tile's epilogue. Each consumer owns a 128x128 fp32 accumulator
 which is why tiles are 128x128. The residual arrives by TMA during the mainloop and the output leaves by TMA:
 [128, 128] tiles of pointers in registers spilled (ptxas, 744-904 bytes of stack a thread).
 The expand is one bf16 MMA per adapter in the tile, s from registers and B's slice staged in shared memory.
-Batch invariance: BK is fixed and K is reduced in order by one warpgroup, and no tile choice depends on
-M; every FP8 GEMM on the GPU runs here, so a row's bits do not depend on the batch.
+Measured (bench/sweep.py gemm_ws, run 22; 16k rows, qkv / o / gate_up / down): W1's shapes 434 / 277 /
+1373 / 696 us against the Triton kernel's 466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693;
+4 stages (5 do not fit beside the output tiles; at gate_up, where they do, 1432 us).
+Batch invariance: BK is fixed and K is reduced in order by one warpgroup, with the same MMA instructions in
+the same order as the Triton kernel: the rows are bitwise that kernel's (tests/test_kernels.py::
+test_fp8_gemm_kernels_agree_bitwise), so kernels.lora_gemm may pick either by M.
 CPU / interpreter: Gluon has no interpreter; the same semantics run in lora_gemm.py's Triton kernel under
-TRITON_INTERPRET=1, and this kernel is tested on the GPU against the same twin (tests/test_kernels.py).
+TRITON_INTERPRET=1, and this kernel is tested on the GPU against the same twin and bitwise against it.
 """
 from __future__ import annotations
 
@@ -72,8 +76,8 @@ def _tile(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr)
 @gluon.jit
 def _load(args, flags):
     """Loader warp: x and W tiles of every tile of this program, in order, into the stage ring."""
-    x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, K = args[0], args[1], args[4], args[5], args[8], args[9], \
-        args[18], args[19], args[20]
+    (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
     GROUP_M: gl.constexpr = flags[4]
     NUM_PROGS: gl.constexpr = flags[5]
     BM: gl.constexpr = x_desc.block_type.shape[0]
