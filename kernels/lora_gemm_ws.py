@@ -35,12 +35,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Triton 3.6 (the device's) takes (default_args, default_fn, worker_args, worker_fns, warps, regs);
-# later versions a list of (fn, args). Chosen once here, passed to the kernel as a constexpr.
-_WS_LIST_API = "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+# warp_specialize takes a list of (fn, args) from Triton 3.6 on (the device's version); the earlier form was
+# never run here, so such a Triton counts as one without this kernel (kernels.lora_gemm falls back).
+if "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters:
+    raise ImportError("lora_gemm_ws needs Gluon's warp_specialize(functions_and_args, ...) (Triton 3.6 or later)")
 
 # TMA copies: Triton 3.6 names them async_copy_global_to_shared / async_copy_shared_to_global, later
-# versions async_load / async_store (and remove the old names).
+# versions async_load / async_store (and remove the old names): two definitions, one per version.
 if hasattr(tma, "async_load"):
     @gluon.jit
     def _tma_load(desc, coord, bar, buf):
@@ -212,7 +213,7 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
                          M, N, K, R, stride_sm, stride_bn_a, stride_bn,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                          SILU_OUT: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS: gl.constexpr,
-                         STAGES: gl.constexpr, BR: gl.constexpr, LIST_API: gl.constexpr):
+                         STAGES: gl.constexpr, BR: gl.constexpr):
     BN: gl.constexpr = w_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -235,16 +236,11 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
     # The flags are written out in the calls: a tuple assigned to a local turns constexprs into runtime values.
     # 12 warps in all (the loader's warp rounds up to a warpgroup): 232 registers for each consumer and
     # 40 for the loader fill the 64K register file at maxnreg=168 (CUTLASS's ping-pong split).
-    if LIST_API:
-        gl.warp_specialize([
-            (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
-            (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
-            (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
-        ], [4, 1], [232, 40])
-    else:
-        gl.warp_specialize((args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS)), _consume_even,
-                           (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS)),
-                           [_consume_odd, _load], [4, 1], [232, 40])
+    gl.warp_specialize([
+        (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
+        (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
+        (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
+    ], [4, 1], [232, 40])
 
 
 @functools.lru_cache(maxsize=None)
@@ -292,6 +288,6 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
         token_adapter, bias if bias is not None else y, M, N, K, R,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         HAS_LORA=s is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU_OUT=silu_out,
-        GROUP_M=8, NUM_PROGS=sms, STAGES=stages, BR=max(16, triton.next_power_of_2(max(R, 1))),
-        LIST_API=_WS_LIST_API, num_warps=4, maxnreg=168)
+        GROUP_M=8, NUM_PROGS=sms, STAGES=stages, BR=max(16, triton.next_power_of_2(max(R, 1))), num_warps=4,
+        maxnreg=168)
     return y
