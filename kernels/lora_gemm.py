@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .launch import sm_count, tma_ok
+
 try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
     from . import lora_gemm_ws
 except (ImportError, AttributeError):  # another Triton: the Triton kernel below takes every call
@@ -161,15 +163,6 @@ def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict
     return dict(BM=128, BN=256, BK=bk, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSISTENT=True)
 
 
-def _tma_ok(*ts: torch.Tensor) -> bool:
-    """TMA descriptors need 16-byte aligned bases and row strides."""
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts)
-
-
-def _sm_count(device: torch.device) -> int:
-    return 4 if device.type == "cpu" else torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
@@ -214,14 +207,14 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             and lora_gemm_ws.usable(x, W, y, residual, B)):
         return lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out)
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
-    tma, persistent = cfg.pop("TMA", False) and _tma_ok(x, W), cfg.pop("PERSISTENT", False)
+    tma, persistent = cfg.pop("TMA", False) and tma_ok(x, W), cfg.pop("PERSISTENT", False)
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     dummy = y
     if tma:
         # NUM_PROGS (the tile stride) is a constexpr: kept to a few values so that batches of new sizes do
         # not compile new kernels. Persistent: the SM count, with no more programs than tiles; otherwise
         # one tile per program and a stride of at least the tile count.
-        stride = _sm_count(x.device) if persistent else triton.next_power_of_2(tiles)
+        stride = sm_count(x.device) if persistent else triton.next_power_of_2(tiles)
         progs = min(tiles, stride)
         xd = TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]])
         wd = TensorDescriptor.from_tensor(W, [cfg["BN"], cfg["BK"]])

@@ -35,6 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .launch import sm_count, tma_ok
+
 # warp_specialize takes a list of (fn, args) from Triton 3.6 on (the device's version); the earlier form was
 # never run here, so such a Triton counts as one without this kernel (kernels.lora_gemm falls back).
 if "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters:
@@ -248,12 +250,6 @@ def _smem_layout(rows: int, cols: int, fp8: bool) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv if fp8 else gl.bfloat16)
 
 
-def _tma_ok(*ts: torch.Tensor) -> bool:
-    """TMA descriptors need 16-byte aligned bases and row strides, and a contiguous last dimension."""
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               for t in ts)
-
-
 def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Tensor | None,
            B: torch.Tensor | None) -> bool:
     """Whether lora_gemm_ws takes this call: FP8 in, bf16 out on a Hopper GPU, TMA-able operands, ranks up to 64
@@ -261,7 +257,7 @@ def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Te
     return (x.is_cuda and x.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(x.device)[0] == 9
             and y.dtype == torch.bfloat16 and (residual is None or residual.dtype == torch.bfloat16)
             and (B is None or (B.dtype == torch.bfloat16 and B.shape[2] <= 64))
-            and _tma_ok(x, W, y, *([residual] if residual is not None else [])))
+            and tma_ok(*(t for t in (x, W, y, residual) if t is not None)))
 
 
 def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scale: torch.Tensor,
@@ -281,7 +277,7 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     yd = TensorDescriptor.from_tensor(y, y_block, _smem_layout(*y_block, False))
     rd = TensorDescriptor.from_tensor(residual, [BM, BN], yd.layout) if residual is not None else yd
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = sm_count(x.device)
     R = s.shape[1] if s is not None else 0
     _lora_gemm_ws_kernel[(min(tiles, sms),)](
         xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
