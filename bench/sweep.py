@@ -42,14 +42,22 @@ def sweep_prologue() -> None:
         w = torch.ones(K, device="cuda", dtype=torch.bfloat16) if norm else None
         A = (torch.randn(8, R, K, device="cuda", generator=g) * 0.02).bfloat16()
         base = timed(lambda: prologue(x, w, 1e-5, A, ad, True))
-        best = None
-        for bm, bk, nw in itertools.product([16, 32, 64], [128, 256], [4, 8]):
-            t = timed(lambda: prologue(x, w, 1e-5, A, ad, True, config=dict(BM=bm, BK=bk, num_warps=nw)))
-            if best is None or t < best[0]:
-                best = (t, bm, bk, nw)
+
+        def run(cfg: dict) -> float:
+            t = timed(lambda: prologue(x, w, 1e-5, A, ad, True, config=cfg))
+            print(f"    {name} {cfg}: {t * 1e3:.0f} us", flush=True)
+            return t
+
+        # two stages: the loop schedule (pipelining, second-sweep order, persistent grid) on the default
+        # tile, then the tile under the best schedule
+        sched = min(({"NS": ns, "REV": rev, "PERSIST": p} for ns, rev, p in
+                     itertools.product([None, 3], [False, True], [0, 1, 2])), key=run)
+        best = min(({**sched, "BM": bm, "BK": bk, "num_warps": nw} for bm, bk, nw in
+                    itertools.product([16, 32, 64], [128, 256], [4, 8])), key=run)
+        t = run(best)
         nbytes = x.numel() * 2 + T * K  # read x once, write e4m3
-        print(f"prologue {name}: default {base * 1e3:.0f} us; best {best[0] * 1e3:.0f} us at BM={best[1]} BK={best[2]} "
-              f"warps={best[3]} ({nbytes / best[0] / 1e9:.2f} TB/s of one pass)")
+        print(f"prologue {name}: default {base * 1e3:.0f} us; best {t * 1e3:.0f} us at {best} "
+              f"({nbytes / t / 1e9:.2f} TB/s of one pass; {nbytes / 4.0e12 * 1e6:.0f} us at 4 TB/s)", flush=True)
 
 
 W1_SHAPES = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]  # qkv, o, gate_up, down: (N, K)

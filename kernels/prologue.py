@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import sm_count
+
 FP8_MAX = 448.0
 
 
@@ -31,14 +33,14 @@ def _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM: tl.constexpr
 
 
 @triton.jit
-def _prologue_kernel(
-    x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr,
+def _prologue_rows(
+    blk, x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr,
     M, K, R, eps,
     stride_xm, stride_hm, stride_an, stride_ar, stride_sm,
     NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, NS: tl.constexpr, REV: tl.constexpr,
 ):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rm = blk * BM + tl.arange(0, BM)
     m_ok = rm < M
     nk = tl.cdiv(K, BK)
     # One sweep for the row statistics: the norm's sum of squares and the amax that sets the FP8 scale.
@@ -48,7 +50,7 @@ def _prologue_kernel(
     if NORM or QUANT:
         ss = tl.zeros((BM,), dtype=tl.float32)
         mx = tl.zeros((BM,), dtype=tl.float32)
-        for k in range(0, nk):
+        for k in tl.range(0, nk, num_stages=NS):
             rk = k * BK + tl.arange(0, BK)
             if NORM:
                 k_ok = rk < K
@@ -77,7 +79,9 @@ def _prologue_kernel(
         ad = tl.load(ad_ptr + rm, mask=m_ok, other=-1)
         lo = tl.min(tl.where(ad >= 0, ad, 2147483647), axis=0)
         hi = tl.max(ad, axis=0)
-    for k in range(0, nk):
+    for kk in tl.range(0, nk, num_stages=NS):
+        # REV: the second sweep starts with the chunks the first read last, the ones most likely still in L2
+        k = nk - 1 - kk if REV else kk
         rk = k * BK + tl.arange(0, BK)
         mask = m_ok[:, None] & (rk[None, :] < K)
         h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM)
@@ -95,6 +99,22 @@ def _prologue_kernel(
                 sacc += tl.where((ad == a_id)[:, None], part, 0.0)
     if HAS_LORA:
         tl.store(s_ptr + rm[:, None] * stride_sm + rr[None, :], sacc, mask=m_ok[:, None] & (rr[None, :] < R))
+
+
+@triton.jit
+def _prologue_kernel(
+    x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr,
+    M, K, R, eps,
+    stride_xm, stride_hm, stride_an, stride_ar, stride_sm,
+    NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, NS: tl.constexpr, REV: tl.constexpr,
+):
+    # A grid smaller than the row blocks makes programs loop: fewer rows in flight, so the second sweep's
+    # reads stay in L2.
+    for blk in range(tl.program_id(0), tl.cdiv(M, BM), tl.num_programs(0)):
+        _prologue_rows(blk, x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr, M, K, R, eps,
+                       stride_xm, stride_hm, stride_an, stride_ar, stride_sm, NORM, QUANT, HAS_LORA,
+                       BM, BK, BR, PREC, NS, REV)
 
 
 def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
@@ -141,13 +161,17 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     cfg["BK"] = min(cfg["BK"], max(16, triton.next_power_of_2(K)))
     cfg.update(config or {})
     BM, BK = cfg["BM"], cfg["BK"]
+    grid = triton.cdiv(M, BM)
+    if cfg.get("PERSIST"):
+        grid = min(grid, cfg["PERSIST"] * sm_count(x.device))
     dummy = h
-    _prologue_kernel[(triton.cdiv(M, BM),)](
+    _prologue_kernel[(grid,)](
         x, norm_weight if norm_weight is not None else dummy, A if A is not None else dummy, token_adapter,
         h, hs if hs is not None else dummy, s if s is not None else dummy,
         M, K, R, eps, x.stride(0), h.stride(0), A.stride(0) if A is not None else 0,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0,
         NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None,
         BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", NS=cfg.get("NS"), REV=cfg.get("REV", False),
+        num_warps=cfg["num_warps"])
     return h, hs, s
