@@ -37,7 +37,8 @@ def sweep_prologue() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     ad = torch.sort(torch.randint(0, 8, (T,), device="cuda", generator=g).int()).values
     for name, K, norm, R in [("qkv", 3072, True, 48), ("o", 3072, False, 16), ("gate_up", 3072, True, 32),
-                             ("down", 8192, False, 16)]:
+                             ("down", 8192, False, 16), ("qkv_1b", 2048, True, 48), ("o_1b", 2048, False, 16),
+                             ("gate_up_1b", 2048, True, 32)]:
         x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
         w = torch.ones(K, device="cuda", dtype=torch.bfloat16) if norm else None
         A = (torch.randn(8, R, K, device="cuda", generator=g) * 0.02).bfloat16()
@@ -48,12 +49,13 @@ def sweep_prologue() -> None:
             print(f"    {name} {cfg}: {t * 1e3:.0f} us", flush=True)
             return t
 
-        # two stages: the loop schedule (pipelining, second-sweep order, persistent grid) on the default
-        # tile, then the tile under the best schedule
-        sched = min(({"NS": ns, "REV": rev, "PERSIST": p} for ns, rev, p in
-                     itertools.product([None, 3], [False, True], [0, 1, 2])), key=run)
+        # two stages: the feed and loop schedule (TMA with pipelined sweeps, second-sweep order, persistent
+        # grid) on the default tile, then the tile under the best schedule
+        scheds = [{"REV": True}] + [{"TMA": True, "NS": ns, "REV": rev, "PERSIST": p} for ns, rev, p in
+                                    itertools.product([None, 4], [False, True], [0, 1, 2, 4])]
+        sched = min(scheds, key=run)
         best = min(({**sched, "BM": bm, "BK": bk, "num_warps": nw} for bm, bk, nw in
-                    itertools.product([16, 32, 64], [128, 256], [4, 8])), key=run)
+                    itertools.product([16, 32, 64], [64, 128, 256], [4, 8])), key=run)
         t = run(best)
         nbytes = x.numel() * 2 + T * K  # read x once, write e4m3
         print(f"prologue {name}: default {base * 1e3:.0f} us; best {t * 1e3:.0f} us at {best} "

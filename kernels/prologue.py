@@ -14,18 +14,28 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import sm_count
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .launch import sm_count, tma_ok
 
 FP8_MAX = 448.0
 
 
 @triton.jit
-def _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM: tl.constexpr):
-    k_ok = rk < K
-    mask = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+def _x_chunk(x_ptr, x_desc, rm, m_ok, rk, K, stride_xm, blk, k, BM: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+    """Rows rm, columns rk of x; zeros outside. The compiler pipelines descriptor (TMA) loads in a loop
+    without a dot, but not pointer loads: the sweeps were latency chains (run 28)."""
+    if TMA:
+        return x_desc.load([blk * BM, k * BK])
+    return tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _h_chunk(x_ptr, x_desc, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, blk, k, NORM: tl.constexpr, BM: tl.constexpr,
+             BK: tl.constexpr, TMA: tl.constexpr):
+    x = _x_chunk(x_ptr, x_desc, rm, m_ok, rk, K, stride_xm, blk, k, BM, BK, TMA)
     if NORM:
-        w = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
         h = (x.to(tl.float32) * rstd[:, None] * w[None, :]).to(x.dtype)
     else:
         h = x
@@ -33,12 +43,24 @@ def _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM: tl.constexpr
 
 
 @triton.jit
+def _shrink_chunk(h, a_ptr, a_desc, a_id, rr, rk, R, K, stride_an, stride_ar, k, BK: tl.constexpr,
+                  PREC: tl.constexpr, TMA: tl.constexpr):
+    if TMA:  # a_desc views A as [adapters * R, K]: rows past R are the next adapter's, their sums unused
+        at = a_desc.load([a_id * R, k * BK])
+    else:
+        at = tl.load(a_ptr + a_id * stride_an + rr[:, None] * stride_ar + rk[None, :],
+                     mask=(rr[:, None] < R) & (rk[None, :] < K), other=0.0)
+    return tl.dot(h.to(at.dtype), tl.trans(at), input_precision=PREC)
+
+
+@triton.jit
 def _prologue_rows(
-    blk, x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr,
+    blk, x_ptr, x_desc, nw_ptr, a_ptr, a_desc, ad_ptr, h_ptr, hs_ptr, s_ptr,
     M, K, R, eps,
     stride_xm, stride_hm, stride_an, stride_ar, stride_sm,
     NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, NS: tl.constexpr, REV: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     rm = blk * BM + tl.arange(0, BM)
     m_ok = rm < M
@@ -52,17 +74,13 @@ def _prologue_rows(
         mx = tl.zeros((BM,), dtype=tl.float32)
         for k in tl.range(0, nk, num_stages=NS):
             rk = k * BK + tl.arange(0, BK)
+            x = _x_chunk(x_ptr, x_desc, rm, m_ok, rk, K, stride_xm, blk, k, BM, BK, TMA).to(tl.float32)
             if NORM:
-                k_ok = rk < K
-                xr = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                             other=0.0)
-                x = xr.to(tl.float32)
                 ss += tl.sum(x * x, axis=1)
-                w = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
                 mx = tl.maximum(mx, tl.max(tl.abs(x * w[None, :]), axis=1))
             else:
-                h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM).to(tl.float32)
-                mx = tl.maximum(mx, tl.max(tl.abs(h), axis=1))
+                mx = tl.maximum(mx, tl.max(tl.abs(x), axis=1))
         if NORM:
             rstd = 1.0 / tl.sqrt(ss / K + eps)
             # the reference takes amax of h rounded to the input dtype; rounding is monotonic
@@ -79,42 +97,52 @@ def _prologue_rows(
         ad = tl.load(ad_ptr + rm, mask=m_ok, other=-1)
         lo = tl.min(tl.where(ad >= 0, ad, 2147483647), axis=0)
         hi = tl.max(ad, axis=0)
+        lo = tl.minimum(lo, tl.maximum(hi, 0))  # a block without adapter rows shrinks against adapter 0, unused
+    # The second sweep writes h and shrinks for the block's first adapter only: no loop nested in it, so it
+    # is pipelined too. Rows are sorted by adapter, so few blocks hold a second one (the sweep below).
     for kk in tl.range(0, nk, num_stages=NS):
         # REV: the second sweep starts with the chunks the first read last, the ones most likely still in L2
         k = nk - 1 - kk if REV else kk
         rk = k * BK + tl.arange(0, BK)
-        mask = m_ok[:, None] & (rk[None, :] < K)
-        h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM)
+        h = _h_chunk(x_ptr, x_desc, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, blk, k, NORM, BM, BK, TMA)
         out_ptrs = h_ptr + rm[:, None] * stride_hm + rk[None, :]
+        mask = m_ok[:, None] & (rk[None, :] < K)
         if QUANT:
             q = tl.clamp(h.to(tl.float32) / scale[:, None], -448.0, 448.0)
             tl.store(out_ptrs, q.to(h_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
         if HAS_LORA:
-            for a_id in range(lo, hi + 1):  # rows are sorted by adapter: usually one pass
-                at = tl.load(a_ptr + a_id * stride_an + rr[:, None] * stride_ar + rk[None, :],
-                             mask=(rr[:, None] < R) & (rk[None, :] < K), other=0.0)
-                part = tl.dot(h.to(at.dtype), tl.trans(at), input_precision=PREC)
-                sacc += tl.where((ad == a_id)[:, None], part, 0.0)
+            sacc += _shrink_chunk(h, a_ptr, a_desc, lo, rr, rk, R, K, stride_an, stride_ar, k, BK, PREC, TMA)
     if HAS_LORA:
+        sacc = tl.where((ad == lo)[:, None], sacc, 0.0)
+        for a_id in range(lo + 1, hi + 1):
+            part = tl.zeros((BM, BR), dtype=tl.float32)
+            for kk in range(0, nk):  # same K order as above, so a row's sum does not depend on its block
+                k = nk - 1 - kk if REV else kk
+                rk = k * BK + tl.arange(0, BK)
+                h = _h_chunk(x_ptr, x_desc, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, blk, k, NORM, BM, BK, TMA)
+                part += _shrink_chunk(h, a_ptr, a_desc, a_id, rr, rk, R, K, stride_an, stride_ar, k, BK, PREC,
+                                      TMA)
+            sacc += tl.where((ad == a_id)[:, None], part, 0.0)
         tl.store(s_ptr + rm[:, None] * stride_sm + rr[None, :], sacc, mask=m_ok[:, None] & (rr[None, :] < R))
 
 
 @triton.jit
 def _prologue_kernel(
-    x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr,
+    x_ptr, x_desc, nw_ptr, a_ptr, a_desc, ad_ptr, h_ptr, hs_ptr, s_ptr,
     M, K, R, eps,
     stride_xm, stride_hm, stride_an, stride_ar, stride_sm,
     NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, NS: tl.constexpr, REV: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # A grid smaller than the row blocks makes programs loop: fewer rows in flight, so the second sweep's
     # reads stay in L2.
     for blk in range(tl.program_id(0), tl.cdiv(M, BM), tl.num_programs(0)):
-        _prologue_rows(blk, x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr, M, K, R, eps,
+        _prologue_rows(blk, x_ptr, x_desc, nw_ptr, a_ptr, a_desc, ad_ptr, h_ptr, hs_ptr, s_ptr, M, K, R, eps,
                        stride_xm, stride_hm, stride_an, stride_ar, stride_sm, NORM, QUANT, HAS_LORA,
-                       BM, BK, BR, PREC, NS, REV)
+                       BM, BK, BR, PREC, NS, REV, TMA)
 
 
 def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
@@ -165,13 +193,18 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     if cfg.get("PERSIST"):
         grid = min(grid, cfg["PERSIST"] * sm_count(x.device))
     dummy = h
+    BR = max(16, triton.next_power_of_2(max(R, 1)))
+    tma = cfg.get("TMA", False) and tma_ok(x) and (A is None or (A.is_contiguous() and tma_ok(A.view(-1, K))))
+    x_desc = TensorDescriptor.from_tensor(x, [BM, BK]) if tma else x
+    a_desc = TensorDescriptor.from_tensor(A.view(-1, K), [BR, BK]) if tma and A is not None else dummy
     _prologue_kernel[(grid,)](
-        x, norm_weight if norm_weight is not None else dummy, A if A is not None else dummy, token_adapter,
+        x, x_desc, norm_weight if norm_weight is not None else dummy, A if A is not None else dummy, a_desc,
+        token_adapter,
         h, hs if hs is not None else dummy, s if s is not None else dummy,
         M, K, R, eps, x.stride(0), h.stride(0), A.stride(0) if A is not None else 0,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0,
         NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None,
-        BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", NS=cfg.get("NS"), REV=cfg.get("REV", False),
+        BM=BM, BK=BK, BR=BR,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", NS=cfg.get("NS"), REV=cfg.get("REV", False), TMA=tma,
         num_warps=cfg["num_warps"])
     return h, hs, s
