@@ -5,8 +5,10 @@ Semantics: h = rmsnorm(x, w) if a norm weight is given else x, rounded to x.dtyp
 (zeros for adapter -1) — reference.prologue.
 
 The shrink reads the 16-bit h, never the FP8 one (DESIGN.md). One program owns BM rows and sweeps K in
-chunks twice: once for the row statistics (norm, amax), once to write and shrink; the second read of its
-rows hits L2. Three sweeps with 16-row programs took 1.10 s of W1's 6.3 s GPU time (bench/NOTES.md).
+chunks twice: once for the row statistics (norm, amax), once to write and shrink; the second sweep runs
+backwards, so it starts on the chunks most likely still in L2. Both sweeps are fed by TMA, which the compiler
+pipelines: with pointer loads each sweep was a chain of dependent DRAM round trips (run 29: 499 -> 452 us per
+W1 layer on 16k tokens). Three sweeps with 16-row programs took 1.10 s of W1's 6.3 s GPU time (NOTES.md).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .launch import sm_count, tma_ok
+from .launch import tma_ok
 
 FP8_MAX = 448.0
 
@@ -54,14 +56,15 @@ def _shrink_chunk(h, a_ptr, a_desc, a_id, rr, rk, R, K, stride_an, stride_ar, k,
 
 
 @triton.jit
-def _prologue_rows(
-    blk, x_ptr, x_desc, nw_ptr, a_ptr, a_desc, ad_ptr, h_ptr, hs_ptr, s_ptr,
+def _prologue_kernel(
+    x_ptr, x_desc, nw_ptr, a_ptr, a_desc, ad_ptr, h_ptr, hs_ptr, s_ptr,
     M, K, R, eps,
     stride_xm, stride_hm, stride_an, stride_ar, stride_sm,
     NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, NS: tl.constexpr, REV: tl.constexpr,
     TMA: tl.constexpr,
 ):
+    blk = tl.program_id(0)
     rm = blk * BM + tl.arange(0, BM)
     m_ok = rm < M
     nk = tl.cdiv(K, BK)
@@ -128,23 +131,6 @@ def _prologue_rows(
         tl.store(s_ptr + rm[:, None] * stride_sm + rr[None, :], sacc, mask=m_ok[:, None] & (rr[None, :] < R))
 
 
-@triton.jit
-def _prologue_kernel(
-    x_ptr, x_desc, nw_ptr, a_ptr, a_desc, ad_ptr, h_ptr, hs_ptr, s_ptr,
-    M, K, R, eps,
-    stride_xm, stride_hm, stride_an, stride_ar, stride_sm,
-    NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, NS: tl.constexpr, REV: tl.constexpr,
-    TMA: tl.constexpr,
-):
-    # A grid smaller than the row blocks makes programs loop: fewer rows in flight, so the second sweep's
-    # reads stay in L2.
-    for blk in range(tl.program_id(0), tl.cdiv(M, BM), tl.num_programs(0)):
-        _prologue_rows(blk, x_ptr, x_desc, nw_ptr, a_ptr, a_desc, ad_ptr, h_ptr, hs_ptr, s_ptr, M, K, R, eps,
-                       stride_xm, stride_hm, stride_an, stride_ar, stride_sm, NORM, QUANT, HAS_LORA,
-                       BM, BK, BR, PREC, NS, REV, TMA)
-
-
 def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
              A: torch.Tensor | None, token_adapter: torch.Tensor, quant: bool,
              out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
@@ -175,29 +161,29 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     if M == 0:
         return h, hs, s
     interpret = x.device.type == "cpu"
-    # Per kind, from bench/sweep.py at W1's shapes (run 4): norm 105 us (gate_up), plain 75 us (o_proj)
-    # per 16k-token batch; a shrink of more than 32 ranks (qkv: 48) was best with 64-row programs and
-    # 8 warps (124 us, run 4). The choice depends on K and R only, never on M (batch invariance).
+    # Per kind, from bench/sweep.py at W1's and W4's shapes, 16k-token batches (run 29, NOTES.md): TMA-fed,
+    # the second sweep reversed, 4 warps. A 48-rank shrink (qkv) wants 64-wide chunks and 4 stages (111 us at
+    # K = 3072 on 32-row programs, 74 us at K = 2048 on 64-row ones); the other normed one 32x128 (99 us), the
+    # plain ones 32x256 (o 64 us, down 174 us). The choice depends on K and R only, never on M (batch
+    # invariance).
     if interpret:
-        cfg = dict(BM=16, BK=32, num_warps=4)
+        cfg = dict(BM=16, BK=32)
     elif norm_weight is not None and R > 32:
-        cfg = dict(BM=64, BK=128, num_warps=8)
+        cfg = dict(BM=64 if K <= 2048 else 32, BK=64, NS=4)
     elif norm_weight is not None:
-        cfg = dict(BM=32, BK=128, num_warps=4)
+        cfg = dict(BM=32, BK=128)
     else:
-        cfg = dict(BM=32, BK=256, num_warps=4)
+        cfg = dict(BM=32, BK=256)
+    cfg.update(num_warps=4, TMA=True, REV=True)
     cfg["BK"] = min(cfg["BK"], max(16, triton.next_power_of_2(K)))
     cfg.update(config or {})
     BM, BK = cfg["BM"], cfg["BK"]
-    grid = triton.cdiv(M, BM)
-    if cfg.get("PERSIST"):
-        grid = min(grid, cfg["PERSIST"] * sm_count(x.device))
     dummy = h
     BR = max(16, triton.next_power_of_2(max(R, 1)))
     tma = cfg.get("TMA", False) and tma_ok(x) and (A is None or (A.is_contiguous() and tma_ok(A.view(-1, K))))
     x_desc = TensorDescriptor.from_tensor(x, [BM, BK]) if tma else x
     a_desc = TensorDescriptor.from_tensor(A.view(-1, K), [BR, BK]) if tma and A is not None else dummy
-    _prologue_kernel[(grid,)](
+    _prologue_kernel[(triton.cdiv(M, BM),)](
         x, x_desc, norm_weight if norm_weight is not None else dummy, A if A is not None else dummy, a_desc,
         token_adapter,
         h, hs if hs is not None else dummy, s if s is not None else dummy,
@@ -205,6 +191,6 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0,
         NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None,
         BM=BM, BK=BK, BR=BR,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", NS=cfg.get("NS"), REV=cfg.get("REV", False), TMA=tma,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", NS=cfg.get("NS"), REV=cfg["REV"], TMA=tma,
         num_warps=cfg["num_warps"])
     return h, hs, s
