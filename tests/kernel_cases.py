@@ -65,13 +65,11 @@ def up64(d: dict) -> dict:
     return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in d.items()}
 
 
-def shrink_in_k_order(h: torch.Tensor, A: torch.Tensor, token_adapter: torch.Tensor, bk: int = 128,
-                      reverse: bool = False) -> torch.Tensor:
+def shrink_in_k_order(h: torch.Tensor, A: torch.Tensor, token_adapter: torch.Tensor, bk: int = 128) -> torch.Tensor:
     """The LoRA shrink in fp32 summed the way a tensor-core kernel sums: bk-wide dot products added in K order.
     reference.lora_shrink sums narrow outputs (r < 16) in one tree reduction over K, far more accurate than
     any blocked kernel, so on few outputs its error alone makes a bound that a correct kernel can miss
-    (run 17: 5 rows at r = 1, K = 3072 came out 4.5x the twin's error). `reverse` adds the chunks last to
-    first, as the prologue's second sweep does."""
+    (run 17: 5 rows at r = 1, K = 3072 came out 4.5x the twin's error)."""
     M, K = h.shape
     pad = (-K) % bk
     s = torch.zeros(M, A.shape[1], dtype=torch.float32, device=h.device)
@@ -82,7 +80,7 @@ def shrink_in_k_order(h: torch.Tensor, A: torch.Tensor, token_adapter: torch.Ten
         x = torch.nn.functional.pad(h[rows].float(), (0, pad)).unflatten(1, (-1, bk))
         w = torch.nn.functional.pad(A[a].float(), (0, pad)).unflatten(1, (-1, bk))
         acc = torch.zeros(len(rows), A.shape[1], dtype=torch.float32, device=h.device)
-        for c in reversed(range(x.shape[1])) if reverse else range(x.shape[1]):
+        for c in range(x.shape[1]):
             acc += x[:, c] @ w[:, c].T
         s[rows] = acc
     return s
