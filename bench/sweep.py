@@ -63,17 +63,12 @@ def _gemm_configs(M: int, tiles: list[tuple[int, int, int, int, int]], residual:
     torch._scaled_mm, each checked bitwise against the default first. As in the engine, gate_up runs with its
     SiLU-and-mul epilogue and, with `residual`, o and down add their residual."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    ad = torch.sort(torch.randint(0, 8, (M,), device="cuda", generator=g).int()).values
-    for i, (N, K) in enumerate(shapes):
-        x8, xs = quantize_rows(torch.randn(M, K, device="cuda", generator=g).bfloat16())
-        w8, ws = quantize_rows(torch.randn(N, K, device="cuda", generator=g).bfloat16())
-        B = (torch.randn(8, N, 48, device="cuda", generator=g) * 0.01).bfloat16()
-        s = torch.randn(M, 48, device="cuda", generator=g)
-        res = torch.randn(M, N, device="cuda", generator=g).bfloat16() if residual and i in (1, 3) else None
+    for (N, K), kind in zip(shapes, ("qkv", "o", "gate_up", "down")):
+        (x8, xs, w8, ws, s, B, ad, _, res, _), so = _gemm_case(M, N, K, kind, g, rank=48, residual=residual,
+                                                            first_adapter=0)
         fl = 2 * M * N * K
         bare = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=xs[:, None], scale_b=ws[None, :],
                                               out_dtype=torch.bfloat16))
-        so = i == 2
         base = timed(lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, silu_out=so))
         ref = lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, silu_out=so)
         best = None
@@ -117,15 +112,18 @@ def sweep_gemm_small() -> None:
         _gemm_configs(M, [(64, 128, 4, 4, 8), (128, 128, 8, 3, 8), (128, 256, 8, 3, 8)], residual=False)
 
 
-def _gemm_case(M: int, N: int, K: int, kind: str, g: torch.Generator):
-    """lora_gemm's arguments for one layer kind (plain, qkv, o, gate_up, down) at M rows, FP8, and silu_out."""
-    ad = torch.sort(torch.randint(-1, 8, (M,), device="cuda", generator=g).int()).values
-    x8, xs = quantize_rows(torch.randn(M, K, device="cuda", generator=g).bfloat16())
-    w8, ws = quantize_rows(torch.randn(N, K, device="cuda", generator=g).bfloat16())
+def _gemm_case(M: int, N: int, K: int, kind: str, g: torch.Generator, rank: int = 16, residual: bool = True,
+               first_adapter: int = -1, device: str = "cuda"):
+    """lora_gemm's arguments for one layer kind (plain, qkv, o, gate_up, down) at M rows, FP8, and silu_out:
+    rank-`rank` LoRA on 8 adapters, rows sorted by adapter from `first_adapter` (-1: some rows without one),
+    o and down with their residual unless `residual` is off."""
+    ad = torch.sort(torch.randint(first_adapter, 8, (M,), device=device, generator=g).int()).values
+    x8, xs = quantize_rows(torch.randn(M, K, device=device, generator=g).bfloat16())
+    w8, ws = quantize_rows(torch.randn(N, K, device=device, generator=g).bfloat16())
     lora = kind != "plain"
-    B = (torch.randn(8, N, 16, device="cuda", generator=g) * 0.05).bfloat16() if lora else None
-    s = torch.randn(M, 16, device="cuda", generator=g) if lora else None
-    res = torch.randn(M, N, device="cuda", generator=g).bfloat16() if kind in ("o", "down") else None
+    B = (torch.randn(8, N, rank, device=device, generator=g) * 0.05).bfloat16() if lora else None
+    s = torch.randn(M, rank, device=device, generator=g) if lora else None
+    res = torch.randn(M, N, device=device, generator=g).bfloat16() if residual and kind in ("o", "down") else None
     return (x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16), kind == "gate_up"
 
 
