@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import WORKLOADS, hf_peft_model, prompts, random_decoder, shape  # noqa: E402
+from power import PowerSampler, describe, layer_rate, sustained_gemm_rates  # noqa: E402
 
 from policyscan.engine.batch import pack  # noqa: E402
 from policyscan.engine.batcher import plan_batches  # noqa: E402
@@ -62,7 +63,8 @@ def engine_pass(dec, prefixes=None, cache: bool = True, graphs: bool = True):
     return run
 
 
-def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, graphs: bool = True) -> dict:
+def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, graphs: bool = True,
+                 sampler: PowerSampler | None = None) -> dict:
     w = WORKLOADS[name]
     cfg = shape(w.model)
     dec = random_decoder(cfg, w.adapters, 16, triton_ops, device=DEVICE, fp8=fp8)
@@ -72,10 +74,11 @@ def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, g
     run(seqs[: 4 * w.adapters], ads[: 4 * w.adapters], budget)  # compile
     run(seqs, ads, budget)  # warm every batch size once
     sync()
-    t0 = time.perf_counter()
+    wall0, t0 = time.time(), time.perf_counter()
     run(seqs, ads, budget)
     sync()
     dt = time.perf_counter() - t0
+    power = sampler.window(wall0, time.time()) if sampler is not None else {}
     params = cfg.layers * sum(o * i for o, i in (cfg.proj_shape(p) for p in
                               ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
     ceiling = tokens / (2 * params * tokens / (FP8_TFLOPS[1] * 1e12))
@@ -83,9 +86,9 @@ def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, g
     torch.cuda.empty_cache()
     label = name + ("" if cache or not w.prefix else " no-cache") + \
         (f" @{budget}" if budget != 16384 else "") + ("" if graphs else " eager")
-    return {"workload": label, "tokens": tokens, "seconds": dt,
-            "tok_s": tokens / dt, "fp8": fp8,
-            "ceiling_tok_s": ceiling, "of_ceiling": tokens / dt / ceiling}
+    return {"workload": label, "model": w.model, "tokens": tokens, "seconds": dt,
+            "tok_s": tokens / dt, "fp8": fp8, "flops_per_token": 2 * params,
+            "ceiling_tok_s": ceiling, "of_ceiling": tokens / dt / ceiling, "power": power}
 
 
 def profile_engine(name: str, budget: int) -> str:
@@ -211,20 +214,27 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="print per-kernel times for this workload")
     ap.add_argument("--baseline-variants", action="store_true", help="also W1's baseline with PEFT's fp32 adapters, and at bs 64")
     ap.add_argument("--graphs", default=None, help="W4 at this small budget, with and without CUDA graphs")
+    ap.add_argument("--sustained", action="store_true",
+                    help="also the sustained (power-capped) FP8 GEMM rates and each workload's share of that ceiling")
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__}
     if args.profile:
         print(profile_engine(args.profile, args.budget))
     if args.gemm:
         res["gemm"] = bench_gemm()
-    res["engine"] = [bench_engine(w, args.budget) for w in filter(None, args.workloads.split(","))]
+    sampler = PowerSampler() if DEVICE == "cuda" else None
+    res["engine"] = [bench_engine(w, args.budget, sampler=sampler) for w in filter(None, args.workloads.split(","))]
     if args.bf16:
-        res["engine"].append(bench_engine("W1", args.budget, fp8=False))
+        res["engine"].append(bench_engine("W1", args.budget, fp8=False, sampler=sampler))
     if args.no_cache:
-        res["engine"].append(bench_engine("W2", args.budget, cache=False))
+        res["engine"].append(bench_engine("W2", args.budget, cache=False, sampler=sampler))
     if args.graphs:
         for graphs in (True, False):  # W1 at 2048 (run 7): 73.9k with graphs, 74.2k without: GPU-bound
-            res["engine"].append(bench_engine("W4", int(args.graphs), graphs=graphs))
+            res["engine"].append(bench_engine("W4", int(args.graphs), graphs=graphs, sampler=sampler))
+    if args.sustained:
+        res["sustained"] = sustained_gemm_rates(sampler)
+    if sampler is not None:
+        sampler.close()
     res["baseline"] = [bench_hf(w) for w in filter(None, args.baseline.split(","))]
     if args.baseline_variants:
         res["baseline"] += [bench_hf("W1", 32, False), bench_hf("W1", 64)]
@@ -240,8 +250,14 @@ def main() -> None:
         b = base.get(e["workload"])
         ratio = f", {e['tok_s'] / b['tok_s']:.2f}x HF ({b['tok_s']:,.0f} tok/s, {b['seconds']:.1f} s)" if b else ""
         rel = f", {e['tok_s'] / w1['tok_s']:.2f}x W1" if w1 and e is not w1 else ""
+        held = ""
+        if res.get("sustained"):  # the ceiling at the sustained rate of the best GEMM at this model's shapes
+            m = "W1" if e["model"] == "3b" else "W4"
+            rate = max(layer_rate(res["sustained"], m, k) for k in ("ours", "scaled_mm"))
+            held = f", {e['tok_s'] / (rate * 1e12 / e['flops_per_token']):.0%} of the sustained one"
         print(f"{e['workload']}{'' if e['fp8'] else ' bf16'}: {e['tokens']:,} tokens in {e['seconds']:.2f} s = "
-              f"{e['tok_s']:,.0f} tok/s ({e['of_ceiling']:.0%} of FP8 ceiling){ratio}{rel}")
+              f"{e['tok_s']:,.0f} tok/s ({e['of_ceiling']:.0%} of FP8 ceiling{held}){ratio}{rel}; "
+              f"{describe(e['power'])}")
     w1_base = [b for b in res["baseline"] if b["baseline"].split()[0] == "W1"]
     if w1 and w1_base:
         best = max(w1_base, key=lambda b: b["tok_s"])
