@@ -40,7 +40,8 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
     else:
         kv_m = d_ok[None, :]
     k = tl.load(rows[:, None] + K_COL + kvh * D + rd[None, :], mask=kv_m, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    s = qk * qk_scale
     if MASK:
         ok = (rn[None, :] <= qpos[:, None]) & n_ok[None, :]
         if window > 0:
@@ -48,7 +49,13 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
         s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
+    # The same instructions with and without the mask, which is applied after: a key block is masked or not
+    # depending on where the query block starts, and that differs between a cached prefix and one computed
+    # inline. An explicit fma, since the compiler contracted `s - m` into one only where no select sat
+    # between them, and the prefix cache's bitwise tests caught it (run 38).
+    p = tl.exp2(tl.fma(qk, qk_scale, -m_safe[:, None]))
+    if MASK:
+        p = tl.where(ok, p, 0.0)
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(rows[:, None] + V_COL + kvh * D + rd[None, :], mask=kv_m, other=0.0)
