@@ -20,10 +20,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep import W1_SHAPES, W4_SHAPES  # noqa: E402
+from sweep import W1_SHAPES, W4_SHAPES, _gemm_case  # noqa: E402
 
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
-from policyscan.kernels.reference import quantize_rows  # noqa: E402
 
 FIELDS = "timestamp,clocks.sm,power.draw.instant,clocks_event_reasons.active"
 SW_POWER_CAP = 0x4  # nvidia-smi clocks_event_reasons bit: clocks lowered to hold the power limit
@@ -44,7 +43,6 @@ class PowerSampler:
     def window(self, t0: float, t1: float) -> dict:
         if not self.ok:
             return {}
-        self.file.flush()
         rows = []
         for line in Path(self.file.name).read_text().strip().splitlines():
             p = [v.strip() for v in line.split(",")]
@@ -96,17 +94,12 @@ def sustained_gemm_rates(sampler: PowerSampler | None = None, M: int = 16384) ->
     rows = []
     for model, shapes in (("W1", W1_SHAPES), ("W4", W4_SHAPES)):
         for (N, K), kind in zip(shapes, ("qkv", "o", "gate_up", "down")):
-            x8, xs = quantize_rows(torch.randn(M, K, device="cuda", generator=g).bfloat16())
-            W8, ws = quantize_rows(torch.randn(N, K, device="cuda", generator=g).bfloat16())
-            s = torch.randn(M, 16, device="cuda", generator=g) * 0.1
-            B = (torch.randn(8, N, 16, device="cuda", generator=g) * 0.02).bfloat16()
-            ad = torch.sort(torch.randint(0, 8, (M,), device="cuda", generator=g).int()).values
-            silu = kind == "gate_up"
-            res = torch.randn(M, N, device="cuda", generator=g).bfloat16() if kind in ("o", "down") else None
+            args, silu = _gemm_case(M, N, K, kind, g)
+            x8, xs, W8, ws = args[:4]
             y = torch.empty(M, N // 2 if silu else N, device="cuda", dtype=torch.bfloat16)
             wt = W8.t()
             row = {"model": model, "kind": kind, "M": M, "N": N, "K": K, "flops": 2 * M * N * K}
-            for name, fn in (("ours", lambda: lora_gemm(x8, xs, W8, ws, s, B, ad, None, res, torch.bfloat16, silu, out=y)),
+            for name, fn in (("ours", lambda: lora_gemm(*args, silu_out=silu, out=y)),
                              ("scaled_mm", lambda: torch._scaled_mm(x8, wt, scale_a=xs[:, None], scale_b=ws[None, :],
                                                                     out_dtype=torch.bfloat16))):
                 t0 = time.time()
