@@ -33,7 +33,11 @@ class PackedBatch:
         return (self.cu_seqlens[1:] - 1).long()
 
     def to(self, device: torch.device | str) -> "PackedBatch":
-        return PackedBatch(*(t.to(device, non_blocking=True) for t in
+        """On the device; from the host through pinned memory, so that the copy queues behind the work already
+        on the stream instead of waiting for it (a copy from pageable memory makes the host wait)."""
+        device = torch.device(device)
+        pin = device.type == "cuda" and self.ids.device.type == "cpu"
+        return PackedBatch(*((t.pin_memory() if pin else t).to(device, non_blocking=True) for t in
                              (self.ids, self.cu_seqlens, self.seq_adapter, self.positions, self.token_adapter)),
                            max_seqlen=self.max_seqlen)
 
