@@ -4,7 +4,8 @@
 
 Run once per mode, each in a fresh process: the load (and the warm-up, when on), then the same conversations
 scored three times; per call, the seconds and the Triton/Gluon kernel variants first called in it (a load
-from Triton's disk cache, or a compile)."""
+from Triton's disk cache, or a compile). Then the file twice through the CLI's pipeline (score_inputs), with
+its accounting of the scoring window."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ import torch
 import triton
 
 from policyscan.cli.common import clip_chars
-from policyscan.engine.pipeline import _encoded
+from policyscan.engine.pipeline import OutputSpec, _encoded, score_inputs
 from policyscan.engine.policy import load_policies
 from policyscan.engine.runner import Engine, EngineSettings
 from policyscan.engine.sources import ReadSpec
@@ -53,6 +54,12 @@ def main() -> None:
         names = Counter(MISSES[before:])
         rows.append((f"score call {i + 1}", dt, len(MISSES) - before,
                      ", ".join(f"{n} x{c}" for n, c in names.most_common())))
+    for i in range(2):
+        t0 = time.perf_counter()
+        acc = score_inputs(engine, [src], Path(f"/tmp/firstcall_{i}.parquet"), Path(f"/tmp/firstcall_{i}.err"),
+                           ReadSpec(max_chars=clip_chars(engine.settings.max_length)), OutputSpec())
+        rows.append((f"score_inputs {i + 1}", acc.seconds, 0, f"input wait {acc.input_wait_seconds:.3f} s, output "
+                     f"{acc.output_seconds:.3f} s, call incl. commit {time.perf_counter() - t0:.3f} s"))
     print(f"warm-up {mode}: {tokens:,} tokens per call")
     print(f"{'step':<20} {'s':>7} {'tok/s':>9} {'new variants':>13}  which")
     for name, dt, n, which in rows:

@@ -121,7 +121,8 @@ def _summary(engine: Engine, acc: Accounting) -> None:
     lines = [f"rows in {acc.rows_in} = scored {acc.rows_scored} + in errors {acc.rows_in_errors} ({check})"]
     if acc.files_in_errors:
         lines.append(f"files that could not be read (see the errors file): {acc.files_in_errors}")
-    lines.append(f"prompt tokens {acc.prompt_tokens:,} in {acc.seconds:.1f} s ({tps:,.0f} tokens/s); "
+    lines.append(f"prompt tokens {acc.prompt_tokens:,} in {acc.seconds:.2f} s ({tps:,.0f} tokens/s; waiting for "
+                 f"input {acc.input_wait_seconds:.2f} s, writing {acc.output_seconds:.2f} s); "
                  f"truncated prompts {acc.truncated_prompts}")
     for p in engine.policies:
         n = acc.above_threshold.get(p.name, 0)

@@ -43,7 +43,9 @@ class Accounting:
     prompt_tokens: int = 0
     truncated_prompts: int = 0
     clipped_conversations: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0          # the whole scoring window, of which:
+    input_wait_seconds: float = 0.0  # waiting for the reader (reading, rendering, tokenizing ran behind the GPU)
+    output_seconds: float = 0.0      # calibrating and writing
     above_threshold: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: "Accounting") -> None:
@@ -88,7 +90,13 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
     acc = Accounting(above_threshold={n: 0 for n in names})
     t0 = time.perf_counter()
     try:
-        for item in _prefetch(_encoded(engine, inputs, spec)):
+        items = _prefetch(_encoded(engine, inputs, spec))
+        while True:
+            t = time.perf_counter()
+            item = next(items, None)
+            acc.input_wait_seconds += time.perf_counter() - t
+            if item is None:
+                break
             if isinstance(item, FileFailure):
                 _file_failure(item, err, acc, out.strict)
                 continue
@@ -167,6 +175,7 @@ def _score_chunk(engine: Engine, chunk: Chunk, convs: list[np.ndarray], writer: 
         err.add(chunk.path, chunk.first_row + int(i), line, chunk.ids[int(i)].as_py(), chunk.errors[i])
     acc.rows_in_errors += int((~ok).sum())
     f, tokens, truncated = engine.score_conversations(convs)
+    t = time.perf_counter()
     p = np.stack([pol.calibrate_np(f[:, j]) for j, pol in enumerate(engine.policies)], axis=1) \
         if len(convs) else np.zeros((0, len(engine.policies)))
     idx = np.flatnonzero(ok)
@@ -176,6 +185,7 @@ def _score_chunk(engine: Engine, chunk: Chunk, convs: list[np.ndarray], writer: 
     acc.truncated_prompts += truncated
     for j, pol in enumerate(engine.policies):
         acc.above_threshold[pol.name] += int((p[:, j] >= pol.threshold).sum())
+    acc.output_seconds += time.perf_counter() - t
 
 
 def _prefetch(it: Iterator, depth: int = 2) -> Iterator:
