@@ -1,8 +1,8 @@
 """What a fresh process's first scoring call pays: each call's time and the kernel variants Triton loads in it.
 
-    python bench/firstcall.py --dir /tmp/e2e/W1 [--no-warm-up]     (after bench/e2e.py has built the dir)
+    python bench/firstcall.py --dir /tmp/e2e/W1     (after bench/e2e.py has built the dir)
 
-Run once per mode, each in a fresh process: the load (and the warm-up, when on), then the same conversations
+In a fresh process: the load, then the same conversations
 scored three times; per call, the seconds and the Triton/Gluon kernel variants first called in it (a load
 from Triton's disk cache, or a compile). Then the file twice through the CLI's pipeline (score_inputs), with
 its accounting of the scoring window."""
@@ -34,14 +34,12 @@ def _hook(*args, **kwargs) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/e2e/W1"))
-    ap.add_argument("--no-warm-up", action="store_true")
     args = ap.parse_args()
     triton.knobs.runtime.jit_cache_hook = _hook
-    mode = "off" if args.no_warm_up else "on"
     t0 = time.perf_counter()
     engine = Engine(args.dir / "model", load_policies([args.dir / "bundles"]),
-                    EngineSettings(device="cuda", warm_up=not args.no_warm_up))
-    rows = [("load" + (" + warm-up" if mode == "on" else ""), time.perf_counter() - t0, len(MISSES), "")]
+                    EngineSettings(device="cuda"))
+    rows = [("load", time.perf_counter() - t0, len(MISSES), "")]
     src = args.dir / f"{args.dir.name}.parquet"
     convs = [c for _, cc in _encoded(engine, [src], ReadSpec(max_chars=clip_chars(engine.settings.max_length)))
              for c in cc]
@@ -60,7 +58,7 @@ def main() -> None:
                            ReadSpec(max_chars=clip_chars(engine.settings.max_length)), OutputSpec())
         rows.append((f"score_inputs {i + 1}", acc.seconds, 0, f"input wait {acc.input_wait_seconds:.3f} s, output "
                      f"{acc.output_seconds:.3f} s, call incl. commit {time.perf_counter() - t0:.3f} s"))
-    print(f"warm-up {mode}: {tokens:,} tokens per call")
+    print(f"{tokens:,} tokens per call")
     print(f"{'step':<20} {'s':>7} {'tok/s':>9} {'new variants':>13}  which")
     for name, dt, n, which in rows:
         tps = f"{tokens / dt:,.0f}" if name.startswith("score") else ""

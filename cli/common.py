@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -28,6 +29,15 @@ def clip_chars(max_length: int) -> int:
     a token is far more than byte-level BPE ever averages, so the tokens kept after left truncation are the
     same, and a 1 GB row costs no more than a long one."""
     return max(64 * max_length, 65536)
+
+
+def preload_arrow() -> None:
+    """Start pyarrow's one-time setup in a thread while the model loads: pyarrow imports pandas (when it is
+    installed) on the first array it builds from Python or numpy objects, which was the first chunk's write,
+    0.28-0.42 s inside the scoring window of W1's E2E run on the device (run 41, bench/NOTES.md)."""
+    import pyarrow as pa
+
+    threading.Thread(target=pa.array, args=([0.0],), name="policyscan-preload-arrow").start()
 
 
 def model_option(f):

@@ -13,7 +13,7 @@ from ..engine.policy import load_policies
 from ..engine.runner import Engine, EngineSettings
 from ..engine.sources import ReadSpec, expand_inputs
 from .common import (EXIT_OK, clip_chars, EXIT_ROW_ERRORS, default_model, default_policies, engine_options,
-                     friendly_errors, model_option)
+                     friendly_errors, model_option, preload_arrow)
 
 
 @click.command()
@@ -50,6 +50,7 @@ def score(inputs, output, model, policies, text_column, messages_column, id_colu
     per_input = output is not None and (output.endswith(("/", "\\")) or Path(output).is_dir())
     if errors_path and per_input:
         raise click.UsageError("--errors names one file; with -o DIR each input's errors go beside its output")
+    preload_arrow()
     engine = Engine(model or default_model(), load_policies(list(policies) or list(default_policies())),
                     EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs))
     click.echo(f"policyscan: {len(engine.policies)} policies ({', '.join(p.name for p in engine.policies)}) on "

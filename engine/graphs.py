@@ -23,10 +23,7 @@ from .batch import PackedBatch
 from .model import Decoder, PrefixCache
 
 
-MAX_TOKENS, MIN_TOKENS = 4096, 256  # the token buckets replayed from graphs; larger batches run eagerly
-
-
-def bucket(n: int, least: int) -> int:
+def _bucket(n: int, least: int) -> int:
     return max(least, 1 << max(0, n - 1).bit_length())
 
 
@@ -42,8 +39,7 @@ class GraphedForward:
     """`decoder.forward(batch, prefix)` for host-side batches: replayed from a CUDA graph when the batch has
     at most `max_tokens` tokens, eager otherwise. Returns f [B] on the device (a copy: safe to keep)."""
 
-    def __init__(self, decoder: Decoder, prefix: PrefixCache | None, max_tokens: int = MAX_TOKENS,
-                 min_tokens: int = MIN_TOKENS):
+    def __init__(self, decoder: Decoder, prefix: PrefixCache | None, max_tokens: int = 4096, min_tokens: int = 256):
         if decoder.device.type != "cuda":
             raise ValueError("CUDA graphs need the decoder on a CUDA device")
         if max_tokens < 1 or min_tokens < 1:
@@ -57,7 +53,7 @@ class GraphedForward:
         T, B = batch.ids.numel(), batch.num_seqs
         if T > self.max_tokens:
             return self.decoder.forward(batch.to(self.decoder.device), self.prefix)
-        key = (bucket(T, self.min_tokens), bucket(B + 1, 8))
+        key = (_bucket(T, self.min_tokens), _bucket(B + 1, 8))
         g = self.graphs.get(key) or self._capture(*key)
         fill(g.batch, batch)
         g.graph.replay()

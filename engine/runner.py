@@ -12,12 +12,10 @@ from .batch import pack
 from .batcher import plan_batches
 from .checkpoint import Checkpoint
 from .errors import PolicyscanError
-from . import graphs
 from .graphs import GraphedForward
 from .loader import attach_policies, load_decoder
 from .policy import Policy
 from .prompts import PromptBuilder, TextEncoder
-from .warmup import warm_shapes, warm_up
 
 PRECISIONS = ("auto", "fp8", "bf16", "fp32")
 DTYPES = {"fp8": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -38,7 +36,6 @@ class EngineSettings:
     max_length: int = 2048
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
     cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/graphs.py)
-    warm_up: bool = True       # GPU only; runs each kernel variant once at load (engine/warmup.py)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -87,15 +84,6 @@ class Engine:
             with torch.inference_mode():
                 self._prefix = self.decoder.prefill_prefixes([b.head for b in self.builders])
         self._graphs: dict[bool, GraphedForward] = {}
-        if gpu and settings.warm_up:
-            self.warm_up()
-
-    def warm_up(self) -> None:
-        """Run each kernel variant that scoring meets once, so that a fresh process's first chunk does not
-        pay for loading them (engine/warmup.py); at load on a GPU unless settings.warm_up is off."""
-        graphed = self.device.type == "cuda" and self.settings.cuda_graphs
-        warm_up(self.decoder, self._prefix, len(self.policies),
-                warm_shapes(self.settings.batch_tokens, (graphs.MIN_TOKENS, graphs.MAX_TOKENS) if graphed else None))
 
     def score(self, prompts: list[list[int]], adapters: list[int] | np.ndarray) -> np.ndarray:
         """f (float32) for each prompt, in the order given; prompts are token-id lists, adapters index policies."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -39,6 +40,9 @@ def test_sample_parquet_wide_with_metadata(tmp_path):
     assert {p["name"] for p in meta["policies"]} == {"pii", "investment_advice"}
     assert len(meta["model"]["sha256"]) == 64 and meta["inputs"][0]["sha256"]
     assert "rows in 200 = scored 200 + in errors 0 (balanced)" in res.output
+    # the scoring window's parts: what waited for the reader and what the writing took, within the whole
+    assert 0 <= acc["input_wait_seconds"] + acc["output_seconds"] <= acc["seconds"]
+    assert re.search(r"in [\d.]+ s \([\d,]+ tokens/s; waiting for input [\d.]+ s, writing [\d.]+ s\)", res.output)
     assert meta["settings"]["cuda_graphs"] is True
     assert not list(tmp_path.glob(".*tmp*"))
     assert not (tmp_path / "s.parquet.errors.jsonl").exists()
