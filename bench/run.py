@@ -21,6 +21,7 @@ from power import PowerSampler, describe, layer_rate, sustained_gemm_rates  # no
 from policyscan.engine.batch import pack  # noqa: E402
 from policyscan.engine.batcher import plan_batches  # noqa: E402
 from policyscan.engine.graphs import GraphedForward  # noqa: E402
+from policyscan.engine.runner import EngineSettings  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402
 
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: a dry run of this script
@@ -85,7 +86,7 @@ def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, g
     del dec, run
     torch.cuda.empty_cache()
     label = name + ("" if cache or not w.prefix else " no-cache") + \
-        (f" @{budget}" if budget != 16384 else "") + ("" if graphs else " eager")
+        (f" @{budget}" if budget != EngineSettings.batch_tokens else "") + ("" if graphs else " eager")
     return {"workload": label, "model": w.model, "tokens": tokens, "seconds": dt,
             "tok_s": tokens / dt, "fp8": fp8, "flops_per_token": 2 * params,
             "ceiling_tok_s": ceiling, "of_ceiling": tokens / dt / ceiling, "power": power}
@@ -207,7 +208,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="W1,W3,W4")
     ap.add_argument("--baseline", default="W1,W4")
     ap.add_argument("--gemm", action="store_true")
-    ap.add_argument("--budget", type=int, default=16384)
+    ap.add_argument("--budget", type=int, default=EngineSettings.batch_tokens)
     ap.add_argument("--bf16", action="store_true", help="also run W1 with bf16 weights")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-cache", action="store_true", help="also run W2 with prefixes recomputed")

@@ -32,7 +32,9 @@ def version(package: str = "policyscan") -> str:
 class EngineSettings:
     device: str = "auto"
     precision: str = "auto"
-    batch_tokens: int = 16384
+    # 32768: W1 160.6k and W4 428.9k tok/s against 157.1k and 418.8k at 16384 in the same run (run 44); 65536
+    # gave 161.9k / 435.9k for twice the activation memory
+    batch_tokens: int = 32768
     max_length: int = 2048
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
     cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/graphs.py)
@@ -68,6 +70,7 @@ class Engine:
         gpu = self.device.type == "cuda"
         self.precision = settings.precision if settings.precision != "auto" else ("fp8" if gpu else "fp32")
         self.checkpoint = Checkpoint.open(model_dir)
+        _check_offsets(self.checkpoint.config, settings.batch_tokens)
         if self.checkpoint.fp8 and self.precision != "fp8":
             self.precision = "fp8"  # the weights are FP8; computing in 16 bits would not make them more precise
         self.encoder = TextEncoder(model_dir)
@@ -154,6 +157,15 @@ class Engine:
         if not hasattr(self, "_model_sha"):
             self._model_sha = self.checkpoint.fingerprint()
         return self._model_sha
+
+
+def _check_offsets(cfg, batch_tokens: int) -> None:
+    """The GPU kernels address a batch's activations with 32-bit offsets: rows x widest row below 2^31."""
+    widest = max(cfg.hidden, cfg.intermediate, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim)
+    if batch_tokens * widest >= 2**31:
+        raise PolicyscanError(f"--batch-tokens {batch_tokens} is too large for this model: a batch's widest "
+                              f"activation ({widest} columns) would pass 2^31 elements, which the kernels cannot "
+                              f"address; use --batch-tokens {(2**31 - 1) // widest} or less")
 
 
 def _ops(gpu: bool):

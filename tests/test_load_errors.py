@@ -145,3 +145,19 @@ def test_policy_json_problems(built, tmp_path):
     (d / "adapter_model.safetensors").unlink()
     with pytest.raises(PolicyError, match="needs adapter_config.json and adapter_model.safetensors"):
         load_policy(d)
+
+
+def test_batch_tokens_beyond_32bit_offsets_is_refused_at_load():
+    """A batch whose widest activation passes 2^31 elements could not be addressed by the kernels: refused with
+    the largest --batch-tokens that works, before any weight is read."""
+    from pathlib import Path
+
+    from policyscan.engine.errors import PolicyscanError
+    from policyscan.engine.policy import load_policies
+    from policyscan.engine.runner import Engine, EngineSettings
+
+    sample = Path(__file__).resolve().parent.parent / "sample_data"
+    widest = 352  # the sample model's intermediate size: wider than hidden (128) and qkv ((4 + 2 * 2) * 32)
+    limit = (2**31 - 1) // widest
+    with pytest.raises(PolicyscanError, match=rf"--batch-tokens {limit + 1} is too large.*--batch-tokens {limit} or less"):
+        Engine(sample / "model", load_policies([sample / "policies"]), EngineSettings("cpu", batch_tokens=limit + 1))
