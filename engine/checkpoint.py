@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +84,21 @@ class Checkpoint:
         for path in sorted(set(self.files.values())):
             h.update(file_sha256(path).encode())
         return h.hexdigest()
+
+
+def in_background(fn, name: str) -> Future:
+    """fn() in a daemon thread (it never holds up the process's exit, say after an input error); the Future's
+    result() waits for it and raises what it raised. For hashing: hashlib and file reads release the GIL."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # re-raised by result() in the thread that asks
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_fixtures import SPECS, make_model, make_policy
-from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.checkpoint import Checkpoint, in_background
 from policyscan.engine.errors import CheckpointError, PolicyError
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
@@ -161,3 +161,9 @@ def test_batch_tokens_beyond_32bit_offsets_is_refused_at_load():
     limit = (2**31 - 1) // widest
     with pytest.raises(PolicyscanError, match=rf"--batch-tokens {limit + 1} is too large.*--batch-tokens {limit} or less"):
         Engine(sample / "model", load_policies([sample / "policies"]), EngineSettings("cpu", batch_tokens=limit + 1))
+
+
+def test_in_background_gives_the_value_or_raises_the_error():
+    assert in_background(lambda: 7, "test").result(timeout=30) == 7
+    with pytest.raises(CheckpointError, match="gone"):
+        in_background(lambda: (_ for _ in ()).throw(CheckpointError("gone")), "test").result(timeout=30)
