@@ -44,7 +44,7 @@ class Accounting:
     truncated_prompts: int = 0
     clipped_conversations: int = 0
     seconds: float = 0.0          # the whole scoring window, of which:
-    input_wait_seconds: float = 0.0  # waiting for the reader (reading, rendering, tokenizing ran behind the GPU)
+    input_wait_seconds: float = 0.0  # waiting for the reader: reading and tokenizing the GPU did not hide
     output_seconds: float = 0.0      # calibrating and writing
     above_threshold: dict[str, int] = field(default_factory=dict)
 

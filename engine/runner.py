@@ -161,12 +161,13 @@ class Engine:
 
 
 def _check_offsets(cfg, batch_tokens: int) -> None:
-    """The GPU kernels address a batch's activations with 32-bit offsets: rows x widest row below 2^31."""
+    """The GPU kernels address a batch's activations with 32-bit offsets: rows x widest row below 2^31. Checked
+    on every device, so that settings recorded on one (`policyscan verify` reruns them) work on the other."""
     widest = max(cfg.hidden, cfg.intermediate, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim)
     if batch_tokens * widest >= 2**31:
         raise PolicyscanError(f"--batch-tokens {batch_tokens} is too large for this model: a batch's widest "
-                              f"activation ({widest} columns) would pass 2^31 elements, which the kernels cannot "
-                              f"address; use --batch-tokens {(2**31 - 1) // widest} or less")
+                              f"activation ({widest} columns) would pass 2^31 elements, which the GPU kernels "
+                              f"cannot address; use --batch-tokens {(2**31 - 1) // widest} or less")
 
 
 def _ops(gpu: bool):
