@@ -2,10 +2,9 @@
 
     python bench/firstcall.py --dir /tmp/e2e/W1     (after bench/e2e.py has built the dir)
 
-In a fresh process: the load, then the same conversations
-scored three times; per call, the seconds and the Triton/Gluon kernel variants first called in it (a load
-from Triton's disk cache, or a compile). Then the file twice through the CLI's pipeline (score_inputs), with
-its accounting of the scoring window."""
+In a fresh process: the load, then the same conversations scored three times; per call, the seconds and the
+Triton/Gluon kernel variants first called in it (a load from Triton's disk cache, or a compile). Then the file
+twice through the CLI's pipeline (score_inputs), with its accounting of the scoring window."""
 from __future__ import annotations
 
 import argparse

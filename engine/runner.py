@@ -11,6 +11,7 @@ import torch
 from .batch import pack
 from .batcher import plan_batches
 from .checkpoint import Checkpoint, in_background
+from .config import ModelConfig
 from .errors import PolicyscanError
 from .graphs import GraphedForward
 from .loader import attach_policies, load_decoder
@@ -160,7 +161,7 @@ class Engine:
         return self._model_sha.result()
 
 
-def _check_offsets(cfg, batch_tokens: int) -> None:
+def _check_offsets(cfg: ModelConfig, batch_tokens: int) -> None:
     """The GPU kernels address a batch's activations with 32-bit offsets: rows x widest row below 2^31. Checked
     on every device, so that settings recorded on one (`policyscan verify` reruns them) work on the other."""
     widest = max(cfg.hidden, cfg.intermediate, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim)
