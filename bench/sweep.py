@@ -163,35 +163,51 @@ def sweep_gemm_ws() -> None:
                   ", ".join(f"{k} {v * 1e3:.0f} us ({fl / v / 1e9:.0f} TF/s)" for k, v in t.items()))
 
 
-def _attn_batch():
-    """W1's first 16k-token batch: lengths, cu_seqlens, qkv rows, and the attention FLOPs (causal)."""
+def _attn_batch(width: int = 40 * 128):
+    """W1's first 16k-token batch: lengths, cu_seqlens, qkv rows [T, width], and the causal attention FLOPs per
+    (head x head_dim)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = lengths(256)
     lens = lens[: int(np.searchsorted(np.cumsum(lens), T))]
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    qkv = torch.randn(int(cu[-1]), 40 * 128, device="cuda", generator=g).bfloat16()
-    fl = 4 * sum(int(n) * (int(n) + 1) / 2 for n in lens) * 24 * 128
+    qkv = torch.randn(int(cu[-1]), width, device="cuda", generator=g).bfloat16()
+    fl = 4 * sum(int(n) * (int(n) + 1) / 2 for n in lens)
     return lens, cu.cuda(), qkv, fl
 
 
-def sweep_attention() -> None:
-    lens, cu, qkv, fl = _attn_batch()
-    shape = AttnShape(24, 8, 128)
-    ang = torch.outer(torch.arange(4096, dtype=torch.float64), 1.0 / 5e5 ** (torch.arange(0, 128, 2) / 128))
-    cos, sin = ang.cos().float().cuda(), ang.sin().float().cuda()
-    pos = torch.cat([torch.arange(int(n)) for n in lens]).cuda()
-    t_rope = timed(lambda: rope_qk(qkv, pos, cos, sin, shape))
-    base = timed(lambda: varlen_attention(qkv, cu, shape, 128 ** -0.5))
-    best = None
-    for bm, bn, nw, ns in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3]):
-        cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns)
-        t = timed(lambda: varlen_attention(qkv, cu, shape, 128 ** -0.5, config=cfg))
-        if best is None or t < best[0]:
-            best = (t, cfg)
-    print(f"rope_qk {int(cu[-1])} tokens: {t_rope * 1e3:.0f} us")
-    print(f"attention {int(cu[-1])} tokens, {len(lens)} seqs: default {base * 1e3:.0f} us "
-          f"({fl / base / 1e9:.0f} TF/s); best {best[0] * 1e3:.0f} us ({fl / best[0] / 1e9:.0f} TF/s) {best[1]}")
+def sweep_attention(baseline=None) -> None:
+    """Tile configs of the GQA-packed kernel at W1's and W4's heads; `baseline`, another varlen_attention
+    (the previous kernel, copied in by the caller), is timed on the same batch."""
+    for name, shape in (("W1", AttnShape(24, 8, 128)), ("W4", AttnShape(32, 8, 64))):
+        H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+        lens, cu, qkv, fl = _attn_batch((H + 2 * Hkv) * D)
+        fl *= H * D
+        ang = torch.outer(torch.arange(4096, dtype=torch.float64), 1.0 / 5e5 ** (torch.arange(0, D, 2) / D))
+        cos, sin = ang.cos().float().cuda(), ang.sin().float().cuda()
+        pos = torch.cat([torch.arange(int(n)) for n in lens]).cuda()
+        t_rope = timed(lambda: rope_qk(qkv, pos, cos, sin, shape))
+        base = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5))
+        ref = varlen_attention(qkv, cu, shape, D ** -0.5)
+        rows = []
+        if baseline is not None:
+            old = timed(lambda: baseline(qkv, cu, shape, D ** -0.5))
+            diff = (baseline(qkv, cu, shape, D ** -0.5).float() - ref.float()).abs().max().item()
+            print(f"attention {name}: previous kernel {old * 1e3:.0f} us ({fl / old / 1e9:.0f} TF/s), "
+                  f"max |diff| to the packed one {diff:.1e}")
+        G = H // Hkv
+        gp = 1 << (G - 1).bit_length()
+        for rows_, bn, nw, ns in itertools.product([16, 32, 64, 128], [32, 64], [4, 8], [2, 3]):
+            if rows_ < gp:
+                continue
+            cfg = dict(BQ=rows_ // gp, BN=bn, num_warps=nw, num_stages=ns)
+            t = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5, config=cfg))
+            rows.append((t, cfg))
+        rows.sort(key=lambda r: r[0])
+        print(f"rope_qk {name} {int(cu[-1])} tokens: {t_rope * 1e3:.0f} us")
+        print(f"attention {name} {int(cu[-1])} tokens, {len(lens)} seqs: default {base * 1e3:.0f} us "
+              f"({fl / base / 1e9:.0f} TF/s); best: " +
+              "; ".join(f"{t * 1e3:.0f} us {c}" for t, c in rows[:4]))
 
 
 def sweep_attention_lib() -> None:
@@ -200,6 +216,7 @@ def sweep_attention_lib() -> None:
     DESIGN.md allows a library kernel where it is as fast and batch-invariant; the engine would still need
     the cached prefix rows gathered in front of each sequence, which ours reads in place."""
     lens, cu, qkv, fl = _attn_batch()
+    fl *= 24 * 128
     shape, T_ = AttnShape(24, 8, 128), qkv.shape[0]
     q, k, v = (qkv[:, a * 128:b * 128].unflatten(1, (b - a, 128)) for a, b in ((0, 24), (24, 32), (32, 40)))
     top = int(max(lens))

@@ -4,10 +4,12 @@ Semantics: reference.varlen_attention — causal softmax(q k^T * scale) v per se
 normed and rotated (rope.rope_qk), GQA, optional sliding window, optional cached prefix rows first, fp32
 inside, rounded to qkv's dtype. With last_only only each sequence's last token queries.
 
-Work list: the grid is (query blocks of all sequences, heads), one program per (sequence, query block,
-head), found from cumulative block counts computed on the device. The grid size then depends only on the
-tensor shapes (T, B), never on a host-side max_seqlen, which is what lets a CUDA graph captured for a token
-bucket replay any batch of that size; nor are programs launched for blocks a short sequence lacks.
+Work list: the grid is (query blocks of all sequences, key/value heads), one program per (sequence, query
+block, key/value head), found from cumulative block counts computed on the device. A program owns the block's
+queries in every query head of its group (GQA packing), so a key block is read once for the group. The grid
+size then depends only on the tensor shapes (T, B), never on a host-side max_seqlen, which is what lets a
+CUDA graph captured for a token bucket replay any batch of that size; nor are programs launched for blocks a
+short sequence lacks.
 Batch invariance: a program walks its sequence's keys in a fixed order, so nothing outside the sequence
 changes its result.
 Why not a library kernel: on W1's first 16k-token batch PyTorch's FlashAttention-2 varlen forward took 429 us
@@ -66,12 +68,12 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
 @triton.jit
 def _attn_kernel(
     qkv_ptr, o_ptr, cu_ptr, blk_seq_ptr, cu_blk_ptr, pre_ptr, pre_start_ptr, pre_len_ptr,
-    scale, window, KV_GROUP, B,
+    scale, window, G, B,
     stride_t, stride_ot, stride_pre, K_COL, V_COL,
     D: tl.constexpr, LAST_ONLY: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    BQ: tl.constexpr, GP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid, h = tl.program_id(0), tl.program_id(1)
+    pid, kvh = tl.program_id(0), tl.program_id(1)
     if LAST_ONLY:
         b = pid
         mblk = 0
@@ -85,9 +87,17 @@ def _attn_kernel(
     n_q = tl.minimum(n_own, 1) if LAST_ONLY else n_own
     rd = tl.arange(0, BD)
     d_ok = rd < D
+    # Row r of the tile is query r // GP of the block in head kvh * G + r % GP: the G query heads that share
+    # this program's key/value head read each key block once (GP: G rounded up to a power of two; the rows
+    # of heads G..GP-1, and those past BQ * GP, are dead).
+    r = tl.arange(0, BR)
+    qi = r // GP
+    h = kvh * G + r % GP
+    live = (r < BQ * GP) & (r % GP < G)
     if LAST_ONLY:
         if n_own == 0:  # an empty (padding) sequence still owns its output row
-            tl.store(o_ptr + b * stride_ot + h * D + rd, tl.zeros((BD,), dtype=o_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(o_ptr + b * stride_ot + h[:, None] * D + rd[None, :],
+                     tl.zeros((BR, BD), dtype=o_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
             return
     P = 0
     p0 = 0
@@ -97,18 +107,16 @@ def _attn_kernel(
     # Keys are enumerated as one sequence, cached prefix first, in the same BN blocks as when the prefix is
     # computed inline: the reduction order, and so every bit of the result, is the same either way.
     n_keys = P + n_own
-    kvh = h // KV_GROUP
-    rm = mblk * BM + tl.arange(0, BM)
-    m_ok = rm < n_q
-    q0 = n_keys - n_q + mblk * BM  # position of the block's first query, prefix included
-    qpos = q0 + tl.arange(0, BM)
-    q = tl.load(qkv_ptr + (start + qpos - P)[:, None] * stride_t + h * D + rd[None, :],
+    m_ok = live & (mblk * BQ + qi < n_q)
+    q0 = n_keys - n_q + mblk * BQ  # position of the block's first query, prefix included
+    qpos = q0 + qi
+    q = tl.load(qkv_ptr + (start + qpos - P)[:, None] * stride_t + h[:, None] * D + rd[None, :],
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BM,), dtype=tl.float32)
-    acc = tl.zeros((BM, BD), dtype=tl.float32)
+    m_i = tl.full((BR,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BR,), dtype=tl.float32)
+    acc = tl.zeros((BR, BD), dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
-    hi = tl.minimum(n_keys, q0 + BM)
+    hi = tl.minimum(n_keys, q0 + BQ)
     # Keys [lo, full) come before the block's first query: every query sees them, so those blocks skip the
     # causal mask (the split depends on positions only, so batch invariance and the prefix cache's bitwise
     # promise hold). With a window every block is masked.
@@ -127,16 +135,16 @@ def _attn_kernel(
                                     qk_scale, stride_t, stride_pre, K_COL, V_COL, kvh, rd, d_ok,
                                     D, HAS_PREFIX, True, BN, PREC)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-    orow = b + rm if LAST_ONLY else start + rm  # last_only: row b holds sequence b (rm > 0 is masked)
-    tl.store(o_ptr + orow[:, None] * stride_ot + h * D + rd[None, :], (acc * inv[:, None]).to(o_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & d_ok[None, :])
+    orow = b + qi if LAST_ONLY else start + mblk * BQ + qi  # last_only: row b holds sequence b
+    tl.store(o_ptr + orow[:, None] * stride_ot + h[:, None] * D + rd[None, :],
+             (acc * inv[:, None]).to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
                      window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
-    written in place when given; `config` (BM, BN, num_warps, num_stages) overrides the tile choice
+    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages) overrides the tile choice
     (bench/sweep.py)."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = qkv.shape[0]
@@ -158,31 +166,33 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
     if B == 0:
         return out
     interpret = qkv.device.type == "cpu"
-    # 64x32, 4 warps: best of 24 configs on a W1 batch (bench/sweep.py, run 7: 283 us per layer against
-    # 323 us at 64x64). With the unmasked blocks split off, 3 stages: over every other W1 batch (run 36)
-    # 6.01 ms against 6.51 for the masked loop at 2 stages (W1's heads), 4.66 against 5.63 (W4's)
-    cfg = dict(BM=16, BN=16, num_warps=4, num_stages=1) if interpret else \
-        dict(BM=64, BN=32, num_warps=4, num_stages=3)
+    G = H // Hkv
+    GP = triton.next_power_of_2(G)
+    # BQ * GP = 64 rows (16 queries of 4 heads at W1's and W4's groups), 32-key blocks, 4 warps, 3 stages: the
+    # best of 32 configs at both heads (bench/sweep.py attention, run 46), W1's 291 us against the one-head
+    # kernel's 301, W4's 185 against 208, with bitwise the same rows
+    cfg = dict(BQ=max(1, 16 // GP), BN=16, num_warps=4, num_stages=1) if interpret else \
+        dict(BQ=max(1, 64 // GP), BN=32, num_warps=4, num_stages=3)
     cfg.update(config or {})
-    BM, BN = (16, cfg["BN"]) if last_only else (cfg["BM"], cfg["BN"])  # last_only: one query per sequence
+    BQ, BN = (1 if last_only else cfg["BQ"]), cfg["BN"]  # last_only: one query per sequence
     if last_only:
-        grid, blk_seq, cu_blk = (B, H), cu_seqlens, cu_seqlens
+        grid, blk_seq, cu_blk = (B, Hkv), cu_seqlens, cu_seqlens
     else:
-        # query blocks per sequence, on the device (no sync): sum over b of cdiv(len_b, BM) <= cdiv(T, BM) + B
-        n_blk = (cu_seqlens[1:] - cu_seqlens[:-1] + BM - 1) // BM
+        # query blocks per sequence, on the device (no sync): sum over b of cdiv(len_b, BQ) <= cdiv(T, BQ) + B
+        n_blk = (cu_seqlens[1:] - cu_seqlens[:-1] + BQ - 1) // BQ
         cu_blk = torch.zeros(B + 1, dtype=torch.int32, device=qkv.device)
         cu_blk[1:] = torch.cumsum(n_blk, 0)
-        bound = triton.cdiv(T, BM) + B
+        bound = triton.cdiv(T, BQ) + B
         blk_seq = torch.searchsorted(cu_blk, torch.arange(bound, dtype=torch.int32, device=qkv.device),
                                      right=True, out_int32=True) - 1
-        grid = (bound, H)
+        grid = (bound, Hkv)
     _attn_kernel[grid](
         qkv, out, cu_seqlens, blk_seq, cu_blk,
         prefix.rows if prefix is not None else qkv, prefix.start if prefix is not None else cu_seqlens,
         prefix.length if prefix is not None else cu_seqlens,
-        scale, window or 0, H // Hkv, B, qkv.stride(0), out.stride(0),
+        scale, window or 0, G, B, qkv.stride(0), out.stride(0),
         prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D,
-        D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, BM=BM, BN=BN,
+        D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, BQ=BQ, GP=GP, BR=max(16, BQ * GP), BN=BN,
         BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

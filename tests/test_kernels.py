@@ -123,16 +123,26 @@ def test_rope_qk(device, qk_norm):
     check(out, same, ref64, f"rope_qk qk_norm={qk_norm} {dtype}")
 
 
+# query heads per key/value head: 3 (W1, and a group that is not a power of two), 1, 4 (W4), 7 (Qwen2-0.5B)
+CPU_ATTN_SHAPES = [AttnShape(6, 2, 20), AttnShape(3, 3, 20), AttnShape(8, 2, 16)]
+GPU_ATTN_SHAPES = [AttnShape(24, 8, 128), AttnShape(32, 8, 64), AttnShape(14, 2, 64)]
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("last_only", [False, True])
 def test_varlen_attention(device, window, last_only):
-    """Odd lengths, length 1, and an empty sequence (how CUDA-graph padding looks)."""
+    """Odd lengths, length 1, and an empty sequence (how CUDA-graph padding looks); GQA groups of 1 to 7."""
+    for shape in CPU_ATTN_SHAPES if device == "cpu" else GPU_ATTN_SHAPES:
+        _check_varlen_attention(device, window, last_only, shape)
+
+
+def _check_varlen_attention(device, window, last_only, shape):
     g = gen()
     if device == "cpu":
-        lengths, shape, dtype = [1, 7, 33, 0, 64, 20, 3], AttnShape(6, 2, 20), torch.float32
+        lengths, dtype = [1, 7, 33, 0, 64, 20, 3], torch.float32
     else:
-        lengths, shape, dtype = [1, 700, 257, 64, 0, 1500, 3, 130], AttnShape(24, 8, 128), torch.bfloat16
+        lengths, dtype = [1, 700, 257, 64, 0, 1500, 3, 130], torch.bfloat16
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = sum(lengths)
     cu = packed(lengths, device)
@@ -142,7 +152,7 @@ def test_varlen_attention(device, window, last_only):
     varlen_attention(qkv, *args, out=out)
     same = reference.varlen_attention(qkv, *args)
     ref64 = reference.varlen_attention(qkv.double(), *args)
-    check(out, same, ref64, f"attention window={window} last_only={last_only} {dtype}")
+    check(out, same, ref64, f"attention {shape} window={window} last_only={last_only} {dtype}")
 
 
 @pytest.mark.gpu
@@ -178,14 +188,15 @@ def test_lora_gemm_rows_do_not_depend_on_batch(fp8):
 
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("last_only", [False, True])
-def test_attention_prefix_cache_is_bitwise_recompute(device, last_only, monkeypatch):
+@pytest.mark.parametrize("shape_i", [0, 2])
+def test_attention_prefix_cache_is_bitwise_recompute(device, last_only, shape_i, monkeypatch):
     """Sequences attending to cached prefix rows give bitwise what the same sequences computed with their
     prefix inline give (kernel and twin), and the kernel stays within the twin's error of fp64."""
     g = gen()
     if device == "cpu":
-        shape, dtype, prefixes, own = AttnShape(6, 2, 20), torch.float32, [0, 5, 19], [1, 7, 30, 12, 4]
+        shape, dtype, prefixes, own = CPU_ATTN_SHAPES[shape_i], torch.float32, [0, 5, 19], [1, 7, 30, 12, 4]
     else:
-        shape, dtype, prefixes, own = AttnShape(24, 8, 128), torch.bfloat16, [0, 77, 256], [1, 300, 64, 1000, 5]
+        shape, dtype, prefixes, own = GPU_ATTN_SHAPES[shape_i], torch.bfloat16, [0, 77, 256], [1, 300, 64, 1000, 5]
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     width = (H + 2 * Hkv) * D
     pre_rows = [torch.randn(n, width, generator=g).to(dtype) for n in prefixes]
