@@ -58,13 +58,23 @@ class DenseLoraLinear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, x: torch.Tensor, token_adapter: torch.Tensor,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None = None,
+                 x_amax: torch.Tensor | None = None) -> torch.Tensor:
+        """x_amax: partial row maxima of |x| from the kernel that wrote x (row_amax), for an FP8 prologue."""
+        return self._forward(x, token_adapter, residual, x_amax, False)
+
+    def silu_mul(self, x: torch.Tensor, token_adapter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The gate/up layer: (silu(gate) * up, its partial row maxima when the next prologue quantizes)."""
+        out = self._forward(x, token_adapter, None, None, self.quantized)
+        return out if self.quantized else (out, None)
+
+    def _forward(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None,
+                 x_amax: torch.Tensor | None, row_amax: bool):
         p, lora = self.prologue, self.lora
         h, h_scale, s = self.ops.prologue(x, p.norm_weight, p.eps, lora.A if lora else None, token_adapter,
-                                          self.quantized)
+                                          self.quantized, x_amax=x_amax)
         return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, lora.B if lora else None,
-                                  token_adapter, self.bias, residual, x.dtype, self.silu_out)
+                                  token_adapter, self.bias, residual, x.dtype, self.silu_out, row_amax=row_amax)
 
 
 class Fp8LoraLinear(DenseLoraLinear):

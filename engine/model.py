@@ -78,12 +78,15 @@ class Decoder:
             if capture is not None:  # rotated rows: a cached prefix is read as keys at its own positions
                 capture.append(qkv)
             pkv = PrefixKV(prefix.layers[i], *seq_pre) if prefix is not None else None
-            attn = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.head_dim ** -0.5, cfg.sliding_window,
-                                        last_only=last_only, prefix=pkv)
+            # The attention and gate/up kernels also leave their outputs' row maxima, so that the FP8 prologues
+            # of o and down need not sweep their inputs for the quantization scale (unused at 16 bits)
+            attn, attn_amax = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.head_dim ** -0.5,
+                                                   cfg.sliding_window, last_only=last_only, prefix=pkv, row_amax=True)
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
-            h = layer.o(attn, tok_ad, residual=h)
-            h = layer.down(layer.gate_up(h, tok_ad), tok_ad, residual=h)
+            h = layer.o(attn, tok_ad, residual=h, x_amax=attn_amax)
+            act, act_amax = layer.gate_up.silu_mul(h, tok_ad)
+            h = layer.down(act, tok_ad, residual=h, x_amax=act_amax)
         hn = ops.rmsnorm(h, self.norm, cfg.rms_eps).float()
         return (hn * self.head[batch.seq_adapter.long()]).sum(-1)
 

@@ -67,10 +67,10 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
 
 @triton.jit
 def _attn_kernel(
-    qkv_ptr, o_ptr, cu_ptr, blk_seq_ptr, cu_blk_ptr, pre_ptr, pre_start_ptr, pre_len_ptr,
+    qkv_ptr, o_ptr, cu_ptr, blk_seq_ptr, cu_blk_ptr, pre_ptr, pre_start_ptr, pre_len_ptr, amax_ptr,
     scale, window, G, B,
-    stride_t, stride_ot, stride_pre, K_COL, V_COL,
-    D: tl.constexpr, LAST_ONLY: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    stride_t, stride_ot, stride_pre, K_COL, V_COL, stride_am,
+    D: tl.constexpr, LAST_ONLY: tl.constexpr, HAS_PREFIX: tl.constexpr, AMAX: tl.constexpr,
     BQ: tl.constexpr, GP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):
     pid, kvh = tl.program_id(0), tl.program_id(1)
@@ -98,6 +98,8 @@ def _attn_kernel(
         if n_own == 0:  # an empty (padding) sequence still owns its output row
             tl.store(o_ptr + b * stride_ot + h[:, None] * D + rd[None, :],
                      tl.zeros((BR, BD), dtype=o_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+            if AMAX:
+                tl.store(amax_ptr + kvh * stride_am + b, 0.0)
             return
     P = 0
     p0 = 0
@@ -136,16 +138,24 @@ def _attn_kernel(
                                     D, HAS_PREFIX, True, BN, PREC)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     orow = b + qi if LAST_ONLY else start + mblk * BQ + qi  # last_only: row b holds sequence b
-    tl.store(o_ptr + orow[:, None] * stride_ot + h[:, None] * D + rd[None, :],
-             (acc * inv[:, None]).to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    o = (acc * inv[:, None]).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + orow[:, None] * stride_ot + h[:, None] * D + rd[None, :], o, mask=m_ok[:, None] & d_ok[None, :])
+    if AMAX:  # each query's max |o| over the group's heads: partial kvh of the o projection's quantizer
+        row_max = tl.where(m_ok, tl.max(tl.where(d_ok[None, :], tl.abs(o.to(tl.float32)), 0.0), axis=1), 0.0)
+        q_max = tl.max(tl.reshape(row_max, (BR // GP, GP)), axis=1)
+        qv = tl.arange(0, BR // GP)
+        q_ok = (qv < BQ) & (mblk * BQ + qv < n_q)
+        tl.store(amax_ptr + kvh * stride_am + (b + qv if LAST_ONLY else start + mblk * BQ + qv), q_max, mask=q_ok)
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
                      window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
-                     out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, config: dict | None = None,
+                     row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
-    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages) overrides the tile choice
-    (bench/sweep.py)."""
+    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages) overrides the
+    tile choice (bench/sweep.py); row_amax: also return each row's max |out| per key/value head group
+    [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax)."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D or qkv.stride(1) != 1:
@@ -163,8 +173,9 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         out = torch.empty((rows, H * D), dtype=qkv.dtype, device=qkv.device)
     elif out.shape != (rows, H * D) or out.dtype != qkv.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be [{rows}, {H * D}] {qkv.dtype}")
+    amax = torch.empty((Hkv, rows), dtype=torch.float32, device=qkv.device) if row_amax else None
     if B == 0:
-        return out
+        return (out, amax) if row_amax else out
     interpret = qkv.device.type == "cpu"
     G = H // Hkv
     GP = triton.next_power_of_2(G)
@@ -189,10 +200,11 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
     _attn_kernel[grid](
         qkv, out, cu_seqlens, blk_seq, cu_blk,
         prefix.rows if prefix is not None else qkv, prefix.start if prefix is not None else cu_seqlens,
-        prefix.length if prefix is not None else cu_seqlens,
+        prefix.length if prefix is not None else cu_seqlens, amax if row_amax else out,
         scale, window or 0, G, B, qkv.stride(0), out.stride(0),
-        prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D,
-        D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, BQ=BQ, GP=GP, BR=max(16, BQ * GP), BN=BN,
-        BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out
+        prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D, rows,
+        D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, AMAX=row_amax, BQ=BQ, GP=GP,
+        BR=max(16, BQ * GP), BN=BN, BD=max(16, triton.next_power_of_2(D)),
+        PREC="ieee" if qkv.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return (out, amax) if row_amax else out

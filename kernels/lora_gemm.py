@@ -39,11 +39,13 @@ def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
               stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
               HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-              SILU_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
-    """Scales, the multi-LoRA expand, bias, residual, SiLU-and-mul and the store of one [BM, BN] tile."""
+              SILU_OUT: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+              PREC: tl.constexpr):
+    """Scales, the multi-LoRA expand, bias, residual, SiLU-and-mul and the store of one [BM, BN] tile
+    (with AMAX, also the tile's row maxima of |y| as stored, partial pid_n of amax [P, M])."""
     m_ok, n_ok = rm < M, rn < N
     if HAS_SCALE:
         xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
@@ -70,21 +72,24 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         acc += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     if SILU_OUT:
         g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
-        h = g / (1.0 + tl.exp(-g)) * u
+        h = (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty)
         rh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-        tl.store(y_ptr + rm[:, None] * stride_ym + rh[None, :], h.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & (rh[None, :] < N // 2))
+        mask = m_ok[:, None] & (rh[None, :] < N // 2)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rh[None, :], h, mask=mask)
     else:
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        h = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], h, mask=mask)
+    if AMAX:
+        tl.store(amax_ptr + pid_n * M + rm, tl.max(tl.where(mask, tl.abs(h.to(tl.float32)), 0.0), axis=1), mask=m_ok)
 
 
 @triton.jit
 def _lora_gemm_kernel(
-    x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+    x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
     M, N, K, R,
     stride_xm, stride_wn, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
     HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU_OUT: tl.constexpr,
+    SILU_OUT: tl.constexpr, AMAX: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -103,18 +108,18 @@ def _lora_gemm_kernel(
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
         x_ptrs += BK
         w_ptrs += BK
-    _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+    _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
               stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
-              HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, BM, BN, BR, PREC)
+              HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, AMAX, BM, BN, BR, PREC)
 
 
 @triton.jit
 def _lora_gemm_tma_kernel(
-    x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+    x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
     M, N, K, R,
     stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
     HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU_OUT: tl.constexpr,
+    SILU_OUT: tl.constexpr, AMAX: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
     PREC: tl.constexpr, NUM_PROGS: tl.constexpr,
 ):
@@ -130,9 +135,9 @@ def _lora_gemm_tma_kernel(
             acc = tl.dot(a, b.T, acc, input_precision=PREC)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
-        _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr,
+        _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
                   stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
-                  HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, BM, BN, BR, PREC)
+                  HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, AMAX, BM, BN, BR, PREC)
 
 
 def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict:
@@ -166,9 +171,12 @@ def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
-              silu_out: bool = False, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+              silu_out: bool = False, out: torch.Tensor | None = None, config: dict | None = None,
+              row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.lora_gemm. x [M, K], W [N, K], B [n, N, R]; `out` is written
     in place when given; `config` overrides the tile choice of the Triton kernel (bench/sweep.py).
+    row_amax: also return each tile's row maxima of |y| [N tiles, M], which the next FP8 prologue reads
+    instead of sweeping y for its quantization scale (prologue's x_amax).
 
     FP8 batches of more than 2048 rows on a Hopper GPU go to the warp-specialized Gluon kernel
     (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes (bench/sweep.py gemm_ws,
@@ -199,14 +207,19 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     if out is not None and (out.shape != (M, n_out) or out.dtype != out_dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{M}, {n_out}] {out_dtype} with a contiguous last dimension")
     y = out if out is not None else torch.empty((M, n_out), dtype=out_dtype, device=x.device)
-    if M == 0:
-        return y
     # Small batches stay on the Triton kernel: at M = 300 its 13 us beat the ping-pong's 14 us (72 tiles of
     # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm, runs 9 and 25).
     if (not config and M > 2048 and lora_gemm_ws is not None and x_scale is not None
             and lora_gemm_ws.usable(x, W, y, residual, B)):
-        return lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out)
+        amax = torch.empty((triton.cdiv(N, lora_gemm_ws.BN), M), dtype=torch.float32, device=x.device) \
+            if row_amax else None
+        lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out,
+                                  amax=amax)
+        return (y, amax) if row_amax else y
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
+    amax = torch.empty((triton.cdiv(N, cfg["BN"]), M), dtype=torch.float32, device=x.device) if row_amax else None
+    if M == 0:
+        return (y, amax) if row_amax else y
     tma, persistent = cfg.pop("TMA", False) and tma_ok(x, W), cfg.pop("PERSISTENT", False)
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     dummy = y
@@ -222,21 +235,22 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             xd, wd, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
             s if s is not None else dummy, B if B is not None else dummy,
             token_adapter, bias if bias is not None else dummy, residual if residual is not None else dummy,
-            M, N, K, R, y.stride(0),
+            amax if row_amax else dummy, M, N, K, R, y.stride(0),
             s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0,
             B.stride(1) if B is not None else 0, residual.stride(0) if residual is not None else 0,
             HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
-            HAS_RES=residual is not None, SILU_OUT=silu_out, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax,
+            PREC="ieee" if x.dtype == torch.float32 else "tf32",
             BR=max(16, triton.next_power_of_2(max(R, 1))), NUM_PROGS=stride, **cfg)
-        return y
+        return (y, amax) if row_amax else y
     _lora_gemm_kernel[(tiles,)](
         x, W, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
         s if s is not None else dummy, B if B is not None else dummy,
         token_adapter, bias if bias is not None else dummy, residual if residual is not None else dummy,
-        M, N, K, R, x.stride(0), W.stride(0), y.stride(0),
+        amax if row_amax else dummy, M, N, K, R, x.stride(0), W.stride(0), y.stride(0),
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         residual.stride(0) if residual is not None else 0,
         HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, SILU_OUT=silu_out, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
-    return y
+        HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
+    return (y, amax) if row_amax else y

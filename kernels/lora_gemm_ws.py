@@ -80,7 +80,7 @@ def _tile(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr)
 def _load(args, flags):
     """Loader warp: x and W tiles of every tile of this program, in order, into the stage ring."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
     GROUP_M: gl.constexpr = flags[4]
     NUM_PROGS: gl.constexpr = flags[5]
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -105,13 +105,14 @@ def _load(args, flags):
 def _consume(args, flags, ROLE: gl.constexpr):
     """Consumer warpgroup ROLE: the MMAs and the epilogue of this program's tiles ROLE, ROLE + 2, ..."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
     HAS_LORA: gl.constexpr = flags[0]
     HAS_BIAS: gl.constexpr = flags[1]
     HAS_RES: gl.constexpr = flags[2]
     SILU_OUT: gl.constexpr = flags[3]
     GROUP_M: gl.constexpr = flags[4]
     NUM_PROGS: gl.constexpr = flags[5]
+    AMAX: gl.constexpr = flags[6]
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -190,13 +191,18 @@ def _consume(args, flags, ROLE: gl.constexpr):
             tma.store_wait(0)
         if SILU_OUT:
             g, u = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
-            c_smem.store((g / (1.0 + gl.exp(-g)) * u).to(y_desc.dtype))
-            fence_async_shared()
-            _tma_store(y_desc, [off_m, pid_n * (BN // 2)], c_smem)
+            out = (g / (1.0 + gl.exp(-g)) * u).to(y_desc.dtype)
+            out_n = pid_n * (BN // 2)
         else:
-            c_smem.store(acc.to(y_desc.dtype))
-            fence_async_shared()
-            _tma_store(y_desc, [off_m, off_n], c_smem)
+            out = acc.to(y_desc.dtype)
+            out_n = off_n
+        if AMAX:  # the tile's row maxima of |y| as stored; columns past N are TMA's zeros
+            am = gl.max(gl.abs(out.to(gl.float32)), axis=1)
+            am_rows = off_m + gl.arange(0, BM, layout=am.type.layout)
+            gl.store(amax_ptr + pid_n * M + am_rows, am, mask=am_rows < M)
+        c_smem.store(out)
+        fence_async_shared()
+        _tma_store(y_desc, [off_m, out_n], c_smem)
     tma.store_wait(0)
 
 
@@ -211,11 +217,11 @@ def _consume_odd(args, flags):
 
 
 @gluon.jit
-def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr,
+def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr,
                          M, N, K, R, stride_sm, stride_bn_a, stride_bn,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                          SILU_OUT: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS: gl.constexpr,
-                         STAGES: gl.constexpr, BR: gl.constexpr):
+                         AMAX: gl.constexpr, STAGES: gl.constexpr, BR: gl.constexpr):
     BN: gl.constexpr = w_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -234,14 +240,14 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
         mbarrier.init(order.index(i), count=1)
         mbarrier.init(res_bar.index(i), count=1)
     args = (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn)
+            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn)
     # The flags are written out in the calls: a tuple assigned to a local turns constexprs into runtime values.
     # 12 warps in all (the loader's warp rounds up to a warpgroup): 232 registers for each consumer and
     # 40 for the loader fill the 64K register file at maxnreg=168 (CUTLASS's ping-pong split).
     gl.warp_specialize([
-        (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
-        (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
-        (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS))),
+        (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX))),
+        (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX))),
+        (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX))),
     ], [4, 1], [232, 40])
 
 
@@ -263,11 +269,15 @@ def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Te
 def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scale: torch.Tensor,
                  s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
                  bias: torch.Tensor | None, residual: torch.Tensor | None, y: torch.Tensor,
-                 silu_out: bool = False, stages: int = STAGES) -> torch.Tensor:
+                 silu_out: bool = False, stages: int = STAGES, amax: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher for FP8 x [M, K] and W [N, K] (row scales x_scale [M], w_scale [N]) into y; the caller,
-    kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`."""
+    kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`. amax [cdiv(N, BN), M] fp32,
+    when given, receives each tile's row maxima of |y|."""
     M, K = x.shape
     N = W.shape[0]
+    if amax is not None and (amax.shape != (triton.cdiv(N, BN), M) or amax.dtype != torch.float32
+                             or not amax.is_contiguous()):
+        raise ValueError(f"amax must be a contiguous fp32 [{triton.cdiv(N, BN)}, {M}]")
     if not usable(x, W, y, residual, B) or x_scale is None or w_scale is None:
         raise ValueError("lora_gemm_ws takes FP8 x and W with row scales on a Hopper GPU, TMA-aligned rows, "
                          "bf16 B of rank <= 64; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
@@ -281,9 +291,9 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     R = s.shape[1] if s is not None else 0
     _lora_gemm_ws_kernel[(min(tiles, sms),)](
         xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
-        token_adapter, bias if bias is not None else y, M, N, K, R,
+        token_adapter, bias if bias is not None else y, amax if amax is not None else x_scale, M, N, K, R,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         HAS_LORA=s is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU_OUT=silu_out,
-        GROUP_M=8, NUM_PROGS=sms, STAGES=stages, BR=max(16, triton.next_power_of_2(max(R, 1))), num_warps=4,
+        GROUP_M=8, NUM_PROGS=sms, AMAX=amax is not None, STAGES=stages, BR=max(16, triton.next_power_of_2(max(R, 1))), num_warps=4,
         maxnreg=168)
     return y

@@ -63,10 +63,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return row_blocks(norm, x)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 quantization: x8 = x / scale with scale = amax(|row|) / 448 (1 for an all-zero row)."""
+def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantization: x8 = x / scale with scale = amax(|row|) / 448 (1 for an all-zero row);
+    `amax` [M], when given, is that row maximum already known."""
     xf = x.float()
-    amax = xf.abs().amax(-1, keepdim=True)
+    amax = xf.abs().amax(-1, keepdim=True) if amax is None else amax.float()[:, None]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.squeeze(-1)
 
@@ -83,25 +84,37 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_adapter: torch.Tensor) -
 
 
 def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: torch.Tensor | None,
-             token_adapter: torch.Tensor, quant: bool
+             token_adapter: torch.Tensor, quant: bool, x_amax: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Semantics: h = rmsnorm(x) if norm_weight is given else x, rounded to x.dtype;
-    returns (quantize_rows(h) or h, its row scales or None, lora_shrink(h, A) or None)."""
+    returns (quantize_rows(h) or h, its row scales or None, lora_shrink(h, A) or None).
+    x_amax: partial row maxima of |x| [P, M] from the kernel that wrote x (row_amax of lora_gemm and
+    varlen_attention): their max is amax(|x|) exactly, so it replaces the quantizer's own sweep; ignored
+    unless quantizing without a norm."""
     h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
     s = lora_shrink(h, A, token_adapter) if A is not None else None
     if quant:
-        h8, scale = quantize_rows(h)
+        h8, scale = quantize_rows(h, x_amax.amax(0) if x_amax is not None and norm_weight is None else None)
         return h8, scale, s
     return h, None, s
+
+
+def amax_parts(y: torch.Tensor) -> torch.Tensor:
+    """Partial row maxima [1, M] of |y| as the kernels write them (one partial: the whole row)."""
+    return y.float().abs().amax(-1)[None] if y.shape[-1] else y.new_zeros((1, y.shape[0]), dtype=torch.float32)
 
 
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
-              silu_out: bool = False) -> torch.Tensor:
+              silu_out: bool = False, row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
     (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K].
-    silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2]."""
+    silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2].
+    row_amax: also return partial row maxima of |y| [P, M] (see prologue's x_amax)."""
+    if row_amax:
+        y = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out)
+        return y, amax_parts(y)
     dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
     acc = rows_matmul(x.to(dt), W.to(dt))
     if x_scale is not None:
@@ -183,13 +196,14 @@ def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
-                     window: int | None = None, last_only: bool = False,
-                     prefix: PrefixKV | None = None) -> torch.Tensor:
+                     window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
+                     row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Semantics: q, k, v = split(qkv) (q and k already normed and rotated: rope_qk); causal
     softmax(q k^T * scale) v within each packed sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded
     to qkv.dtype. With `prefix`, a sequence's keys are its cached prefix rows followed by its own tokens.
     Returns [Tq, H * D]; with last_only, only each sequence's last token queries (Tq = sequences); an empty
-    sequence's row is zero. `window` limits each query to its last `window` keys.
+    sequence's row is zero. `window` limits each query to its last `window` keys. row_amax: also return
+    partial row maxima of |out| [P, Tq] (see prologue's x_amax).
 
     Every product is row-blocked (rows_matmul, row_blocks), so a query's result depends only on its own
     sequence: the same with or without the prefix cache, in any batch."""
@@ -232,4 +246,4 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
             out[i] = o[0]
         else:
             out[s:e] = o
-    return out
+    return (out, amax_parts(out)) if row_amax else out
