@@ -36,15 +36,19 @@ def timed(fn) -> float:
 def sweep_prologue() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     ad = torch.sort(torch.randint(0, 8, (T,), device="cuda", generator=g).int()).values
-    for name, K, norm, R in [("qkv", 3072, True, 48), ("o", 3072, False, 16), ("gate_up", 3072, True, 32),
-                             ("down", 8192, False, 16)]:
+    # each sweeps once, given its producer's row maxima (P partials, as in the model; w = 1: |x * w| = |x|)
+    for name, K, norm, R, P in [("qkv", 3072, True, 48, 24), ("o", 3072, False, 16, 8), ("gate_up", 3072, True, 32, 24),
+                                ("down", 8192, False, 16, 128), ("W4 qkv", 2048, True, 48, 16),
+                                ("W4 o", 2048, False, 16, 8)]:
         x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
         w = torch.ones(K, device="cuda", dtype=torch.bfloat16) if norm else None
         A = (torch.randn(8, R, K, device="cuda", generator=g) * 0.02).bfloat16()
-        base = timed(lambda: prologue(x, w, 1e-5, A, ad, True))
+        parts = x.float().abs().reshape(T, P, K // P).amax(-1).T.contiguous() if P else None
+        base = timed(lambda: prologue(x, w, 1e-5, A, ad, True, x_amax=parts))
         best = None
-        for bm, bk, nw in itertools.product([16, 32, 64], [128, 256], [4, 8]):
-            t = timed(lambda: prologue(x, w, 1e-5, A, ad, True, config=dict(BM=bm, BK=bk, num_warps=nw)))
+        for bm, bk, nw in itertools.product([16, 32, 64], [128, 256, 512], [4, 8]):
+            t = timed(lambda: prologue(x, w, 1e-5, A, ad, True, config=dict(BM=bm, BK=bk, num_warps=nw),
+                                       x_amax=parts))
             if best is None or t < best[0]:
                 best = (t, bm, bk, nw)
         nbytes = x.numel() * 2 + T * K  # read x once, write e4m3

@@ -60,26 +60,32 @@ class DenseLoraLinear:
 
     def __call__(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None = None,
                  x_amax: torch.Tensor | None = None) -> torch.Tensor:
-        """x_amax: partial row maxima of |x| from the kernel that wrote x (row_amax), for an FP8 prologue."""
-        return self._forward(x, token_adapter, residual, x_amax, False)
+        """x_amax: partial row maxima of |x| (|x * norm weight|) left by the kernel that wrote x, which an FP8
+        prologue reads instead of sweeping x for its scale."""
+        return self._forward(x, token_adapter, residual, x_amax, False, None)
 
-    def silu_mul(self, x: torch.Tensor, token_adapter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The gate/up layer: (silu(gate) * up, its partial row maxima when the next prologue quantizes)."""
-        out = self._forward(x, token_adapter, None, None, self.quantized)
+    def with_amax(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None = None,
+                  x_amax: torch.Tensor | None = None, next_norm: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, partial row maxima of |y * next_norm| (or |y|)) for the next layer's FP8 prologue; at 16 bits
+        no prologue quantizes, so (y, None)."""
+        out = self._forward(x, token_adapter, residual, x_amax, self.quantized, next_norm)
         return out if self.quantized else (out, None)
 
     def _forward(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None,
-                 x_amax: torch.Tensor | None, row_amax: bool):
+                 x_amax: torch.Tensor | None, row_amax: bool, amax_weight: torch.Tensor | None):
         p, lora = self.prologue, self.lora
         h, h_scale, s = self.ops.prologue(x, p.norm_weight, p.eps, lora.A if lora else None, token_adapter,
                                           self.quantized, x_amax=x_amax)
         return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, lora.B if lora else None,
-                                  token_adapter, self.bias, residual, x.dtype, self.silu_out, row_amax=row_amax)
+                                  token_adapter, self.bias, residual, x.dtype, self.silu_out, row_amax=row_amax,
+                                  amax_weight=amax_weight if row_amax else None)
 
 
 class Fp8LoraLinear(DenseLoraLinear):
-    """W8A8: e4m3 weight [N, K] with per-output-channel scales; activations quantized per token in the prologue.
-    The LoRA shrink reads the 16-bit activations, never the FP8 ones."""
+    """W8A8: e4m3 weight [N, K] with per-output-channel scales; activations quantized per token in the prologue
+    (the RMSNorm folded into the row scale: kernels/prologue.py). The LoRA shrink reads the 16-bit activations,
+    never the FP8 ones."""
 
     quantized = True
 

@@ -69,24 +69,31 @@ class Decoder:
         if prefix is not None:  # a sequence's own tokens start after its policy's cached prefix
             positions = positions + prefix.length[batch.token_adapter.long()]
         h = self.embed[batch.ids]
+        h_amax = None  # partial row maxima of |h * next norm weight|: see below
         tok_ad, last = batch.token_adapter, batch.last_idx
         for i, layer in enumerate(self.layers):
             # The last layer only needs each sequence's last token past the K/V projections: exact pruning.
             last_only = i == len(self.layers) - 1
-            qkv = ops.rope_qk(layer.qkv(h, tok_ad), positions, cos, sin, shape, layer.q_norm, layer.k_norm,
-                              cfg.rms_eps)
+            qkv = ops.rope_qk(layer.qkv(h, tok_ad, x_amax=h_amax), positions, cos, sin, shape, layer.q_norm,
+                              layer.k_norm, cfg.rms_eps)
             if capture is not None:  # rotated rows: a cached prefix is read as keys at its own positions
                 capture.append(qkv)
             pkv = PrefixKV(prefix.layers[i], *seq_pre) if prefix is not None else None
-            # The attention and gate/up kernels also leave their outputs' row maxima, so that the FP8 prologues
-            # of o and down need not sweep their inputs for the quantization scale (unused at 16 bits)
+            # Every kernel that writes a projection's input also leaves its row maxima (times the next norm's
+            # weight), so that no FP8 prologue sweeps its input for the scale: each reads it once (unused and
+            # not computed at 16 bits, but for the attention's, which costs nothing)
             attn, attn_amax = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.head_dim ** -0.5,
                                                    cfg.sliding_window, last_only=last_only, prefix=pkv, row_amax=True)
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
-            h = layer.o(attn, tok_ad, residual=h, x_amax=attn_amax)
-            act, act_amax = layer.gate_up.silu_mul(h, tok_ad)
-            h = layer.down(act, tok_ad, residual=h, x_amax=act_amax)
+            h, h_amax = layer.o.with_amax(attn, tok_ad, residual=h, x_amax=attn_amax,
+                                          next_norm=layer.gate_up.prologue.norm_weight)
+            act, act_amax = layer.gate_up.with_amax(h, tok_ad, x_amax=h_amax)
+            if last_only:  # the final norm is no prologue
+                h = layer.down(act, tok_ad, residual=h, x_amax=act_amax)
+            else:
+                h, h_amax = layer.down.with_amax(act, tok_ad, residual=h, x_amax=act_amax,
+                                                 next_norm=self.layers[i + 1].qkv.prologue.norm_weight)
         hn = ops.rmsnorm(h, self.norm, cfg.rms_eps).float()
         return (hn * self.head[batch.seq_adapter.long()]).sum(-1)
 

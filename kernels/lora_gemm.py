@@ -40,12 +40,12 @@ def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
-              stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
+              amax_w_ptr, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
               HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-              SILU_OUT: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-              PREC: tl.constexpr):
+              SILU_OUT: tl.constexpr, AMAX: tl.constexpr, AMAX_W: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
     """Scales, the multi-LoRA expand, bias, residual, SiLU-and-mul and the store of one [BM, BN] tile
-    (with AMAX, also the tile's row maxima of |y| as stored, partial pid_n of amax [P, M])."""
+    (with AMAX, also the tile's row maxima of |y * amax_w| (or |y|), y as stored: partial pid_n of amax)."""
     m_ok, n_ok = rm < M, rn < N
     if HAS_SCALE:
         xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
@@ -80,16 +80,19 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         h = acc.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], h, mask=mask)
     if AMAX:
-        tl.store(amax_ptr + pid_n * M + rm, tl.max(tl.where(mask, tl.abs(h.to(tl.float32)), 0.0), axis=1), mask=m_ok)
+        v = h.to(tl.float32)
+        if AMAX_W:
+            v = v * tl.load(amax_w_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(amax_ptr + pid_n * M + rm, tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1), mask=m_ok)
 
 
 @triton.jit
 def _lora_gemm_kernel(
-    x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
+    x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr, amax_w_ptr,
     M, N, K, R,
     stride_xm, stride_wn, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
     HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU_OUT: tl.constexpr, AMAX: tl.constexpr,
+    SILU_OUT: tl.constexpr, AMAX: tl.constexpr, AMAX_W: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -109,17 +112,17 @@ def _lora_gemm_kernel(
         x_ptrs += BK
         w_ptrs += BK
     _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
-              stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
-              HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, AMAX, BM, BN, BR, PREC)
+              amax_w_ptr, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
+              HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, AMAX, AMAX_W, BM, BN, BR, PREC)
 
 
 @triton.jit
 def _lora_gemm_tma_kernel(
-    x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
+    x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr, amax_w_ptr,
     M, N, K, R,
     stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm,
     HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU_OUT: tl.constexpr, AMAX: tl.constexpr,
+    SILU_OUT: tl.constexpr, AMAX: tl.constexpr, AMAX_W: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
     PREC: tl.constexpr, NUM_PROGS: tl.constexpr,
 ):
@@ -136,8 +139,8 @@ def _lora_gemm_tma_kernel(
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
-                  stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
-                  HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, AMAX, BM, BN, BR, PREC)
+                  amax_w_ptr, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
+                  HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, AMAX, AMAX_W, BM, BN, BR, PREC)
 
 
 def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict:
@@ -172,11 +175,13 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
               silu_out: bool = False, out: torch.Tensor | None = None, config: dict | None = None,
-              row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              row_amax: bool = False, amax_weight: torch.Tensor | None = None
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.lora_gemm. x [M, K], W [N, K], B [n, N, R]; `out` is written
     in place when given; `config` overrides the tile choice of the Triton kernel (bench/sweep.py).
-    row_amax: also return each tile's row maxima of |y| [N tiles, M], which the next FP8 prologue reads
-    instead of sweeping y for its quantization scale (prologue's x_amax).
+    row_amax: also return each tile's row maxima of |y| [N tiles, M] — of |y * amax_weight| when given (the
+    next RMSNorm's weight) — which the next FP8 prologue reads instead of sweeping y for its scale
+    (prologue's x_amax).
 
     FP8 batches of more than 2048 rows on a Hopper GPU go to the warp-specialized Gluon kernel
     (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes (bench/sweep.py gemm_ws,
@@ -201,8 +206,11 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             raise ValueError("token_adapter must be int32 [M]")
     if residual is not None and (residual.shape != (M, N) or residual.stride(1) != 1):
         raise ValueError(f"residual must be [M, N] = [{M}, {N}] with a contiguous last dimension")
-    if silu_out and (N % 2 or residual is not None):
-        raise ValueError("the SiLU epilogue needs an even N (gate/up rows interleaved) and no residual")
+    if silu_out and (N % 2 or residual is not None or amax_weight is not None):
+        raise ValueError("the SiLU epilogue needs an even N (gate/up rows interleaved), no residual and no "
+                         "amax_weight")
+    if amax_weight is not None and (not row_amax or amax_weight.shape != (N,) or amax_weight.stride(0) != 1):
+        raise ValueError(f"amax_weight must be a contiguous [{N}] and comes with row_amax")
     n_out = N // 2 if silu_out else N
     if out is not None and (out.shape != (M, n_out) or out.dtype != out_dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{M}, {n_out}] {out_dtype} with a contiguous last dimension")
@@ -214,7 +222,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         amax = torch.empty((triton.cdiv(N, lora_gemm_ws.BN), M), dtype=torch.float32, device=x.device) \
             if row_amax else None
         lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out,
-                                  amax=amax)
+                                  amax=amax, amax_weight=amax_weight)
         return (y, amax) if row_amax else y
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
     amax = torch.empty((triton.cdiv(N, cfg["BN"]), M), dtype=torch.float32, device=x.device) if row_amax else None
@@ -235,11 +243,11 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             xd, wd, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
             s if s is not None else dummy, B if B is not None else dummy,
             token_adapter, bias if bias is not None else dummy, residual if residual is not None else dummy,
-            amax if row_amax else dummy, M, N, K, R, y.stride(0),
+            amax if row_amax else dummy, amax_weight if amax_weight is not None else dummy, M, N, K, R, y.stride(0),
             s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0,
             B.stride(1) if B is not None else 0, residual.stride(0) if residual is not None else 0,
             HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
-            HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax,
+            HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax, AMAX_W=amax_weight is not None,
             PREC="ieee" if x.dtype == torch.float32 else "tf32",
             BR=max(16, triton.next_power_of_2(max(R, 1))), NUM_PROGS=stride, **cfg)
         return (y, amax) if row_amax else y
@@ -247,10 +255,11 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         x, W, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
         s if s is not None else dummy, B if B is not None else dummy,
         token_adapter, bias if bias is not None else dummy, residual if residual is not None else dummy,
-        amax if row_amax else dummy, M, N, K, R, x.stride(0), W.stride(0), y.stride(0),
+        amax if row_amax else dummy, amax_weight if amax_weight is not None else dummy, M, N, K, R, x.stride(0),
+        W.stride(0), y.stride(0),
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         residual.stride(0) if residual is not None else 0,
         HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax,
+        HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax, AMAX_W=amax_weight is not None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
     return (y, amax) if row_amax else y

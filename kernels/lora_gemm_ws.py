@@ -2,25 +2,24 @@
 
 Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype) @ B[token_adapter].T
 (+ bias) (+ residual), fp32 accumulation, one rounding to y's dtype; with silu_out, W's rows alternate
-gate and up and y = silu(y[:, 0::2]) * y[:, 1::2] — reference.lora_gemm, as kernels.lora_gemm.
+gate and up and y = silu(y[:, 0::2]) * y[:, 1::2]; with amax, amax[n, m] = max |y[m] (* amax_weight)| over
+tile n's columns — reference.lora_gemm, as kernels.lora_gemm.
 
 Why: in the Triton persistent kernel (lora_gemm.py) a tile's epilogue (scales, expand, residual, store)
-runs while the tensor cores idle; Triton 3.6's automatic warp specialization did not change that (run 16),
-and the GEMM stayed at ~80% of the FP8 peak (bench/NOTES.md). Here, as in CUTLASS's ping-pong schedule,
-one loader warp streams the tiles' operands through a ring of shared-memory stages by TMA, and two
-consumer warpgroups take alternate tiles, their mainloops in turn: while one runs a tile's MMAs, the other
-runs the previous tile's epilogue. Each consumer owns a 128x128 fp32 accumulator (128 registers a thread),
-which is why tiles are 128x128. The residual arrives by TMA during the mainloop and the output leaves by TMA:
-[128, 128] tiles of pointers in registers spilled (ptxas, 744-904 bytes of stack a thread).
-The expand is one bf16 MMA per adapter in the tile, s from registers and B's slice staged in shared memory.
+runs while the tensor cores idle; Triton 3.6's automatic warp specialization did not change that (run 16).
+Here, as in CUTLASS's ping-pong schedule, one loader warp streams the tiles' operands through a ring of
+shared-memory stages by TMA, and two consumer warpgroups take alternate tiles, their mainloops in turn:
+while one runs a tile's MMAs, the other runs the previous tile's epilogue. Each consumer owns a 128x128 fp32
+accumulator (128 registers a thread), which is why tiles are 128x128. The residual arrives by TMA during the
+mainloop and the output leaves by TMA ([128, 128] tiles of pointers in registers spilled: 744-904 bytes of
+stack a thread). The expand is one bf16 MMA per adapter in the tile, B's slice staged in shared memory.
 Measured (bench/sweep.py gemm_ws, run 22; 16k rows, qkv / o / gate_up / down): W1's shapes 434 / 277 /
 1373 / 696 us against the Triton kernel's 466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693;
 4 stages (5 do not fit beside the output tiles; at gate_up, where they do, 1432 us).
 Batch invariance: BK is fixed and K is reduced in order by one warpgroup, with the same MMA instructions in
 the same order as the Triton kernel: the rows are bitwise that kernel's (tests/test_kernels.py::
 test_fp8_gemm_kernels_agree_bitwise), so kernels.lora_gemm may pick either by M.
-CPU / interpreter: Gluon has no interpreter; the same semantics run in lora_gemm.py's Triton kernel under
-TRITON_INTERPRET=1, and this kernel is tested on the GPU against the same twin and bitwise against it.
+CPU: Gluon has no interpreter; the same semantics run in lora_gemm.py's Triton kernel under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
@@ -80,7 +79,8 @@ def _tile(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr)
 def _load(args, flags):
     """Loader warp: x and W tiles of every tile of this program, in order, into the stage ring."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, M, N, K, R, stride_sm, stride_bn_a,
+     stride_bn) = args
     GROUP_M: gl.constexpr = flags[4]
     NUM_PROGS: gl.constexpr = flags[5]
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -105,7 +105,8 @@ def _load(args, flags):
 def _consume(args, flags, ROLE: gl.constexpr):
     """Consumer warpgroup ROLE: the MMAs and the epilogue of this program's tiles ROLE, ROLE + 2, ..."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, M, N, K, R, stride_sm, stride_bn_a,
+     stride_bn) = args
     HAS_LORA: gl.constexpr = flags[0]
     HAS_BIAS: gl.constexpr = flags[1]
     HAS_RES: gl.constexpr = flags[2]
@@ -113,6 +114,7 @@ def _consume(args, flags, ROLE: gl.constexpr):
     GROUP_M: gl.constexpr = flags[4]
     NUM_PROGS: gl.constexpr = flags[5]
     AMAX: gl.constexpr = flags[6]
+    AMAX_W: gl.constexpr = flags[7]
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -196,8 +198,11 @@ def _consume(args, flags, ROLE: gl.constexpr):
         else:
             out = acc.to(y_desc.dtype)
             out_n = off_n
-        if AMAX:  # the tile's row maxima of |y| as stored; columns past N are TMA's zeros
-            am = gl.max(gl.abs(out.to(gl.float32)), axis=1)
+        if AMAX:  # the tile's row maxima of |y| (|y * amax_w|) as stored; columns past N are TMA's zeros
+            v = out.to(gl.float32)
+            if AMAX_W:
+                v = v * gl.load(amax_w_ptr + rn, mask=n_ok, other=0.0).to(gl.float32)[None, :]
+            am = gl.max(gl.abs(v), axis=1)
             am_rows = off_m + gl.arange(0, BM, layout=am.type.layout)
             gl.store(amax_ptr + pid_n * M + am_rows, am, mask=am_rows < M)
         c_smem.store(out)
@@ -218,10 +223,10 @@ def _consume_odd(args, flags):
 
 @gluon.jit
 def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr,
-                         M, N, K, R, stride_sm, stride_bn_a, stride_bn,
+                         amax_w_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                          SILU_OUT: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS: gl.constexpr,
-                         AMAX: gl.constexpr, STAGES: gl.constexpr, BR: gl.constexpr):
+                         AMAX: gl.constexpr, AMAX_W: gl.constexpr, STAGES: gl.constexpr, BR: gl.constexpr):
     BN: gl.constexpr = w_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -240,14 +245,15 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
         mbarrier.init(order.index(i), count=1)
         mbarrier.init(res_bar.index(i), count=1)
     args = (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn)
+            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, M, N, K, R, stride_sm, stride_bn_a,
+            stride_bn)
     # The flags are written out in the calls: a tuple assigned to a local turns constexprs into runtime values.
     # 12 warps in all (the loader's warp rounds up to a warpgroup): 232 registers for each consumer and
     # 40 for the loader fill the 64K register file at maxnreg=168 (CUTLASS's ping-pong split).
     gl.warp_specialize([
-        (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX))),
-        (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX))),
-        (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX))),
+        (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W))),
+        (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W))),
+        (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W))),
     ], [4, 1], [232, 40])
 
 
@@ -269,10 +275,11 @@ def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Te
 def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scale: torch.Tensor,
                  s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
                  bias: torch.Tensor | None, residual: torch.Tensor | None, y: torch.Tensor,
-                 silu_out: bool = False, stages: int = STAGES, amax: torch.Tensor | None = None) -> torch.Tensor:
+                 silu_out: bool = False, stages: int = STAGES, amax: torch.Tensor | None = None,
+                 amax_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher for FP8 x [M, K] and W [N, K] (row scales x_scale [M], w_scale [N]) into y; the caller,
     kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`. amax [cdiv(N, BN), M] fp32,
-    when given, receives each tile's row maxima of |y|."""
+    when given, receives each tile's row maxima of |y| (of |y * amax_weight| with that [N] weight)."""
     M, K = x.shape
     N = W.shape[0]
     if amax is not None and (amax.shape != (triton.cdiv(N, BN), M) or amax.dtype != torch.float32
@@ -291,9 +298,10 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     R = s.shape[1] if s is not None else 0
     _lora_gemm_ws_kernel[(min(tiles, sms),)](
         xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
-        token_adapter, bias if bias is not None else y, amax if amax is not None else x_scale, M, N, K, R,
+        token_adapter, bias if bias is not None else y, amax if amax is not None else x_scale,
+        amax_weight if amax_weight is not None else x_scale, M, N, K, R,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         HAS_LORA=s is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU_OUT=silu_out,
-        GROUP_M=8, NUM_PROGS=sms, AMAX=amax is not None, STAGES=stages, BR=max(16, triton.next_power_of_2(max(R, 1))), num_warps=4,
+        GROUP_M=8, NUM_PROGS=sms, AMAX=amax is not None, AMAX_W=amax_weight is not None, STAGES=stages, BR=max(16, triton.next_power_of_2(max(R, 1))), num_warps=4,
         maxnreg=168)
     return y

@@ -1,15 +1,17 @@
 """Prologue of a linear layer: RMSNorm (or nothing), per-token FP8 quantization and the LoRA shrink.
 
-Semantics: h = rmsnorm(x, w) if a norm weight is given else x, rounded to x.dtype;
-(h8, h_scale) = quantize_rows(h) when quantizing (else h itself); s = h @ A[token_adapter].T in fp32
-(zeros for adapter -1) — reference.prologue.
+Semantics: reference.prologue. At 16 bits h = rmsnorm(x, w) (or x), rounded to x.dtype, and s = h @
+A[token_adapter].T in fp32 (zeros for adapter -1). Quantizing, u = x * w (or x), exact in fp32:
+(h8, scale) = quantize_rows(u), the row scale written is scale * rstd and s = rstd * (u at 16 bits) @ A.T,
+rstd = 1 / sqrt(mean(x^2) + eps): rmsnorm(x) * w = rstd * u, so the norm folds into the GEMM's row scale.
 
-The shrink reads the 16-bit h, never the FP8 one (DESIGN.md). One program owns BM rows and sweeps K in
-chunks twice: once for the row statistics (norm, amax), once to write and shrink; the second read of its
-rows hits L2. Three sweeps with 16-row programs took 1.10 s of W1's 6.3 s GPU time (bench/NOTES.md).
-Without a norm the statistics are only the amax, and the kernels that write the o and down projections'
-inputs (attention, the gate/up GEMM's SiLU epilogue) leave partial row maxima of what they stored
-(x_amax): the max of those is the amax exactly, so those prologues sweep once (W1 +1.3%, W4 +2.9%, run 47).
+The shrink reads 16-bit activations, never the FP8 ones (DESIGN.md). One program owns BM rows and sweeps K
+in chunks. The FP8 scale needs amax |u| before the first write; the kernels that write every projection's
+input (attention, and the GEMM epilogues, times the next norm's weight) leave partial row maxima of what they
+stored (x_amax), whose max is that amax exactly, so a quantizing prologue sweeps its input once and sums the
+norm's squares on the way (run 49: the four prologues of a W1 layer 421 -> ~340 us a 16k batch; W1 +2.5%,
+W4 +4%). Without x_amax (the first layer's input, the embeddings) a first sweep finds the amax; at 16 bits a
+first sweep finds the sum of squares, which must come before the normed h is written.
 """
 from __future__ import annotations
 
@@ -21,16 +23,15 @@ FP8_MAX = 448.0
 
 
 @triton.jit
-def _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM: tl.constexpr):
+def _xu_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, NORM: tl.constexpr):
+    """One chunk of x and of u = x * w (or x), fp32: exact, since x and w are 16-bit."""
     k_ok = rk < K
-    mask = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0).to(tl.float32)
+    u = x
     if NORM:
-        w = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-        h = (x.to(tl.float32) * rstd[:, None] * w[None, :]).to(x.dtype)
-    else:
-        h = x
-    return h
+        u = x * tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    return x, u
 
 
 @triton.jit
@@ -44,45 +45,34 @@ def _prologue_kernel(
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < M
     nk = tl.cdiv(K, BK)
-    # One sweep for the row statistics: the norm's sum of squares and the amax that sets the FP8 scale.
-    # amax(rmsnorm(x)) = rstd * amax(x * w), so a normed row needs no extra sweep.
-    rstd = tl.zeros((BM,), dtype=tl.float32)
+    rstd = tl.full((BM,), 1.0, dtype=tl.float32)
     scale = tl.full((BM,), 1.0, dtype=tl.float32)
-    if HAS_AMAX:
-        # the kernel that wrote x left partial row maxima [P, M]: their max is the row's amax, exactly
+    if QUANT:
+        # The FP8 scale is amax |u|, u = x * w (or x): from the writer's partial row maxima (exact) or a sweep
         mx = tl.zeros((BM,), dtype=tl.float32)
-        for p0 in range(0, P, BP):
-            rp = p0 + tl.arange(0, BP)
-            part = tl.load(amax_ptr + rp[:, None] * stride_ap + rm[None, :], mask=(rp[:, None] < P) & m_ok[None, :],
-                           other=0.0)
-            mx = tl.maximum(mx, tl.max(part, axis=0))
+        if HAS_AMAX:
+            for p0 in range(0, P, BP):
+                rp = p0 + tl.arange(0, BP)
+                part = tl.load(amax_ptr + rp[:, None] * stride_ap + rm[None, :],
+                               mask=(rp[:, None] < P) & m_ok[None, :], other=0.0)
+                mx = tl.maximum(mx, tl.max(part, axis=0))
+        else:
+            for k in range(0, nk):
+                rk = k * BK + tl.arange(0, BK)
+                x, u = _xu_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, NORM)
+                mx = tl.maximum(mx, tl.max(tl.abs(u), axis=1))
         scale = tl.where(mx > 0, mx / 448.0, 1.0)
-        tl.store(hs_ptr + rm, scale, mask=m_ok)
-    elif NORM or QUANT:
+    elif NORM:  # 16-bit output: the norm comes first, so its sum of squares needs a sweep of its own
         ss = tl.zeros((BM,), dtype=tl.float32)
-        mx = tl.zeros((BM,), dtype=tl.float32)
         for k in range(0, nk):
             rk = k * BK + tl.arange(0, BK)
-            if NORM:
-                k_ok = rk < K
-                xr = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                             other=0.0)
-                x = xr.to(tl.float32)
-                ss += tl.sum(x * x, axis=1)
-                w = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-                mx = tl.maximum(mx, tl.max(tl.abs(x * w[None, :]), axis=1))
-            else:
-                h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM).to(tl.float32)
-                mx = tl.maximum(mx, tl.max(tl.abs(h), axis=1))
-        if NORM:
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
-            # the reference takes amax of h rounded to the input dtype; rounding is monotonic
-            mx = (mx * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-        if QUANT:
-            scale = tl.where(mx > 0, mx / 448.0, 1.0)
-            tl.store(hs_ptr + rm, scale, mask=m_ok)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk[None, :] < K),
+                        other=0.0).to(tl.float32)
+            ss += tl.sum(x * x, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
     rr = tl.arange(0, BR)
     sacc = tl.zeros((BM, BR), dtype=tl.float32)
+    ss = tl.zeros((BM,), dtype=tl.float32)
     lo = 0
     hi = -1
     ad = tl.full((BM,), -1, dtype=tl.int32)
@@ -93,12 +83,21 @@ def _prologue_kernel(
     for k in range(0, nk):
         rk = k * BK + tl.arange(0, BK)
         mask = m_ok[:, None] & (rk[None, :] < K)
-        h = _h_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, rstd, NORM)
         out_ptrs = h_ptr + rm[:, None] * stride_hm + rk[None, :]
         if QUANT:
-            q = tl.clamp(h.to(tl.float32) / scale[:, None], -448.0, 448.0)
-            tl.store(out_ptrs, q.to(h_ptr.dtype.element_ty), mask=mask)
+            if NORM:
+                x, u = _xu_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, NORM)
+                ss += tl.sum(x * x, axis=1)
+                h = u.to(x_ptr.dtype.element_ty)  # what the shrink reads: u at 16 bits (rstd is applied after)
+            else:  # h = x as loaded: converting a fp32 copy back cost o's prologue 52 -> 71 us (run 48)
+                h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+                u = h.to(tl.float32)
+            tl.store(out_ptrs, tl.clamp(u / scale[:, None], -448.0, 448.0).to(h_ptr.dtype.element_ty), mask=mask)
         else:
+            h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+            if NORM:
+                w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+                h = (h.to(tl.float32) * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty)
             tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
         if HAS_LORA:
             for a_id in range(lo, hi + 1):  # rows are sorted by adapter: usually one pass
@@ -106,6 +105,11 @@ def _prologue_kernel(
                              mask=(rr[:, None] < R) & (rk[None, :] < K), other=0.0)
                 part = tl.dot(h.to(at.dtype), tl.trans(at), input_precision=PREC)
                 sacc += tl.where((ad == a_id)[:, None], part, 0.0)
+    if QUANT:
+        if NORM:  # rmsnorm(x) * w = rstd * u: rstd goes into the row scale and the shrink
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+            sacc = sacc * rstd[:, None]
+        tl.store(hs_ptr + rm, scale * rstd, mask=m_ok)
     if HAS_LORA:
         tl.store(s_ptr + rm[:, None] * stride_sm + rr[None, :], sacc, mask=m_ok[:, None] & (rr[None, :] < R))
 
@@ -139,22 +143,23 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         h, hs, s = out
         if h.shape != (M, K) or h.stride(1) != 1 or (hs is None) == quant or (s is None) != (A is None):
             raise ValueError("out (h, h_scale, s) does not fit this call")
-    use_amax = x_amax is not None and quant and norm_weight is None
+    use_amax = x_amax is not None and quant
     if use_amax and (x_amax.dim() != 2 or x_amax.shape[1] != M or x_amax.dtype != torch.float32
                      or x_amax.stride(1) != 1):
         raise ValueError(f"x_amax must be fp32 [P, {M}] with contiguous rows, got {tuple(x_amax.shape)} {x_amax.dtype}")
     if M == 0:
         return h, hs, s
     interpret = x.device.type == "cpu"
-    # Per kind, from bench/sweep.py at W1's shapes (run 4): norm 105 us (gate_up), plain 75 us (o_proj)
-    # per 16k-token batch; a shrink of more than 32 ranks (qkv: 48) was best with 64-row programs and
-    # 8 warps (124 us, run 4). The choice depends on K and R only, never on M (batch invariance).
+    # Per kind, from bench/sweep.py at W1's and W4's shapes, each sweeping once (run 48): a norm 64-row
+    # programs, 4 warps (qkv 139 -> 89 us a 16k batch against 8 warps, gate_up 75 -> 71 against 32 rows);
+    # without, 32 rows and 256-wide chunks (o 52 us, down 137, run 47). The choice depends on K and R only,
+    # never on M (batch invariance).
     if interpret:
         cfg = dict(BM=16, BK=32, num_warps=4)
-    elif norm_weight is not None and R > 32:
-        cfg = dict(BM=64, BK=128, num_warps=8)
-    elif norm_weight is not None:
-        cfg = dict(BM=32, BK=128, num_warps=4)
+    elif norm_weight is not None and quant:
+        cfg = dict(BM=64, BK=128, num_warps=4)
+    elif norm_weight is not None:  # 16-bit: two sweeps (run 4)
+        cfg = dict(BM=64, BK=128, num_warps=8) if R > 32 else dict(BM=32, BK=128, num_warps=4)
     else:
         cfg = dict(BM=32, BK=256, num_warps=4)
     cfg["BK"] = min(cfg["BK"], max(16, triton.next_power_of_2(K)))

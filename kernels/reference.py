@@ -87,16 +87,23 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: t
              token_adapter: torch.Tensor, quant: bool, x_amax: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Semantics: h = rmsnorm(x) if norm_weight is given else x, rounded to x.dtype;
-    returns (quantize_rows(h) or h, its row scales or None, lora_shrink(h, A) or None).
-    x_amax: partial row maxima of |x| [P, M] from the kernel that wrote x (row_amax of lora_gemm and
-    varlen_attention): their max is amax(|x|) exactly, so it replaces the quantizer's own sweep; ignored
-    unless quantizing without a norm."""
-    h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
-    s = lora_shrink(h, A, token_adapter) if A is not None else None
-    if quant:
-        h8, scale = quantize_rows(h, x_amax.amax(0) if x_amax is not None and norm_weight is None else None)
-        return h8, scale, s
-    return h, None, s
+    returns (h, None, lora_shrink(h, A) or None) — or, quantizing, the same product in FP8 with the norm
+    folded into the row scale: u = x * w (exact in fp32), (u8, scale) = quantize_rows(u),
+    returns (u8, scale * rstd, rstd * lora_shrink(u rounded to x.dtype, A)), rstd = 1/sqrt(mean(x^2) + eps).
+    Then the scale is known before the norm's sum of squares, so the kernel sweeps x once.
+    x_amax: partial row maxima of |u| [P, M] from the kernel that wrote x (row_amax of lora_gemm and
+    varlen_attention): their max is amax(|u|) exactly, so it replaces the quantizer's own sweep."""
+    if not quant:
+        h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
+        return h, None, lora_shrink(h, A, token_adapter) if A is not None else None
+    u = x.to(_acc(x)) * norm_weight.to(_acc(x)) if norm_weight is not None else x
+    u8, scale = quantize_rows(u, x_amax.amax(0) if x_amax is not None else None)
+    s = lora_shrink(u.to(x.dtype), A, token_adapter) if A is not None else None
+    if norm_weight is not None:
+        rstd = row_blocks(lambda xb: torch.rsqrt(xb.to(_acc(xb)).pow(2).mean(-1, keepdim=True) + eps), x).squeeze(-1)
+        scale = scale * rstd
+        s = s * rstd[:, None] if s is not None else None
+    return u8, scale, s
 
 
 def amax_parts(y: torch.Tensor) -> torch.Tensor:
@@ -107,14 +114,15 @@ def amax_parts(y: torch.Tensor) -> torch.Tensor:
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
-              silu_out: bool = False, row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              silu_out: bool = False, row_amax: bool = False, amax_weight: torch.Tensor | None = None
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
     (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K].
     silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2].
-    row_amax: also return partial row maxima of |y| [P, M] (see prologue's x_amax)."""
+    row_amax: also return partial row maxima of |y| [P, M], of |y * amax_weight| when given (prologue's x_amax)."""
     if row_amax:
         y = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out)
-        return y, amax_parts(y)
+        return y, amax_parts(y if amax_weight is None else y.float() * amax_weight.float())
     dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
     acc = rows_matmul(x.to(dt), W.to(dt))
     if x_scale is not None:

@@ -47,6 +47,10 @@ def test_lora_gemm_row_amax(device, silu):
             assert torch.equal(parts.amax(0), row_max(y)), f"M={M} N={N} fp8={fp8} silu={silu}"
             ref_y, ref_parts = reference.lora_gemm(**case, out_dtype=dtype, silu_out=silu, row_amax=True)
             assert torch.equal(ref_parts.amax(0), row_max(ref_y))
+            if not silu:  # times the next RMSNorm's weight (the o and down projections)
+                w = (1 + 0.3 * torch.randn(N, generator=g)).to(dtype).to(device)
+                y, parts = lora_gemm(**case, out_dtype=dtype, row_amax=True, amax_weight=w)
+                assert torch.equal(parts.amax(0), row_max(y.float() * w.float())), f"M={M} N={N} weighted"
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
@@ -69,22 +73,26 @@ def test_attention_row_amax(device, last_only):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
-def test_prologue_with_x_amax_is_bitwise_the_same(device):
-    """Given the partials, the quantizing prologue writes the same h8, scales and shrink as with its own sweep
-    (the kernel on the GPU, where the FP8 quantizer is checked; the twin everywhere)."""
+@pytest.mark.parametrize("norm", [False, True])
+def test_prologue_with_x_amax_is_bitwise_the_same(device, norm):
+    """Given the partials (of |x * w| with a norm), the quantizing prologue writes the same h8, scales and
+    shrink as with its own sweep (the kernel on the GPU, where the FP8 quantizer is checked; the twin
+    everywhere)."""
     g = gen()
     for M, K, r, n_ad, P in [(37, 96, 5, 3, 3), (300, 3072, 16, 8, 24), (1000, 8192, 16, 64, 64)]:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         x = (torch.randn(M, K, generator=g) * 2).to(dtype).to(device)
         x[3] = 0  # an all-zero row: scale 1
-        parts = x.float().abs().reshape(M, P, K // P).amax(-1).T.contiguous()
+        w = (1 + 0.3 * torch.randn(K, generator=g)).to(dtype).to(device) if norm else None
+        u = x.float() * w.float() if norm else x.float()
+        parts = u.abs().reshape(M, P, K // P).amax(-1).T.contiguous()
         ad = adapters_for(M, n_ad, g, device)
         A, _ = lora_stack(n_ad, r, 1, K, dtype, g, device)
         fns = [reference.prologue] + ([prologue] if device == "cuda" else [])
         for fn in fns:
-            own = fn(x, None, 1e-5, A, ad, True)
-            given = fn(x, None, 1e-5, A, ad, True, x_amax=parts)
+            own = fn(x, w, 1e-5, A, ad, True)
+            given = fn(x, w, 1e-5, A, ad, True, x_amax=parts)
             for a, b, what in zip(own, given, ("h8", "scale", "s")):
-                assert torch.equal(a.float(), b.float()), f"{fn.__module__} M={M} K={K}: {what}"
+                assert torch.equal(a.float(), b.float()), f"{fn.__module__} M={M} K={K} norm={norm}: {what}"
     with pytest.raises(ValueError, match="x_amax"):
         prologue(x, None, 1e-5, A, ad, True, x_amax=parts[:, :-1])
