@@ -80,8 +80,8 @@ class Decoder:
                 capture.append(qkv)
             pkv = PrefixKV(prefix.layers[i], *seq_pre) if prefix is not None else None
             # Every kernel that writes a projection's input also leaves its row maxima (times the next norm's
-            # weight), so that no FP8 prologue sweeps its input for the scale: each reads it once (unused and
-            # not computed at 16 bits, but for the attention's, which costs nothing)
+            # weight), so that no FP8 prologue sweeps its input for the scale: each reads it once. At 16 bits
+            # no prologue quantizes: only the attention's, which costs nothing, is computed, and left unused.
             attn, attn_amax = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.head_dim ** -0.5,
                                                    cfg.sliding_window, last_only=last_only, prefix=pkv, row_amax=True)
             if last_only:

@@ -9,8 +9,8 @@ The shrink reads 16-bit activations, never the FP8 ones (DESIGN.md). One program
 in chunks. The FP8 scale needs amax |u| before the first write; the kernels that write every projection's
 input (attention, and the GEMM epilogues, times the next norm's weight) leave partial row maxima of what they
 stored (x_amax), whose max is that amax exactly, so a quantizing prologue sweeps its input once and sums the
-norm's squares on the way (run 49: the four prologues of a W1 layer 421 -> ~340 us a 16k batch; W1 +2.5%,
-W4 +4%). Without x_amax (the first layer's input, the embeddings) a first sweep finds the amax; at 16 bits a
+norm's squares on the way (bench/sweep.py, runs 47-48: a W1 layer's four prologues 421 -> ~349 us a 16k
+batch; with run 46's attention, W1 159.8k -> 163.8k tokens/s and W4 430.4k -> 448.0k, run 49). Without x_amax (the first layer's input, the embeddings) a first sweep finds the amax; at 16 bits a
 first sweep finds the sum of squares, which must come before the normed h is written.
 """
 from __future__ import annotations
@@ -121,8 +121,8 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launcher; same semantics as reference.prologue. x [M, K]; `out`
     (h, h_scale, s) is written in place when given; `config` (BM, BK, num_warps) overrides the tile choice
-    (bench/sweep.py); x_amax [P, M] fp32, partial row maxima of |x| (lora_gemm's and varlen_attention's
-    row_amax), spares the statistics sweep of a quantizing prologue without a norm."""
+    (bench/sweep.py); x_amax [P, M] fp32, partial row maxima of |x * norm weight| (or |x|) from the kernel
+    that wrote x (lora_gemm's and varlen_attention's row_amax), spares a quantizing prologue its first sweep."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D with a contiguous last dimension, got {tuple(x.shape)}")
     M, K = x.shape
