@@ -67,14 +67,15 @@ def score(inputs, output, model, policies, text_column, messages_column, id_colu
             raise PolicyscanError(f"inputs with the same name would share an output: {sorted(map(str, dup))}")
         for f, target in targets:
             sha = file_sha256(f)
-            key = run_key(engine, spec, out, sha)
-            if up_to_date(target, key):
+            # Only an existing output needs the run key before scoring: the key waits for the model's hash
+            # (seconds for a large checkpoint), which a new output takes when it is written.
+            if target.exists() and up_to_date(target, run_key(engine, spec, out, sha)):
                 click.echo(f"{f}: up to date ({target})", err=True)
                 continue
-            total.add(_run(engine, [f], target, _errors_for(target, None), spec, out, progress, key, [sha]))
+            total.add(_run(engine, [f], target, _errors_for(target, None), spec, out, progress, True, [sha]))
     else:
         target = Path(output) if output else Path(f"{_stem(files[0]) if len(files) == 1 else 'scores'}.scores.{fmt}")
-        total.add(_run(engine, files, target, _errors_for(target, errors_path), spec, out, progress, None))
+        total.add(_run(engine, files, target, _errors_for(target, errors_path), spec, out, progress, False))
     _summary(engine, total)
     sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
 
@@ -95,7 +96,7 @@ def _errors_for(target: Path, given: str | None) -> Path:
     return Path(given) if given else target.with_name(target.name + ".errors.jsonl")
 
 
-def _run(engine, files, target, errors, spec, out, progress, key, shas=None) -> Accounting:
+def _run(engine, files, target, errors, spec, out, progress, keyed, shas=None) -> Accounting:
     bar = None
     if progress:
         from tqdm import tqdm
@@ -107,7 +108,7 @@ def _run(engine, files, target, errors, spec, out, progress, key, shas=None) -> 
         bar.set_postfix_str(f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s")
 
     try:
-        acc = score_inputs(engine, files, target, errors, spec, out, tick if bar is not None else None, key, shas)
+        acc = score_inputs(engine, files, target, errors, spec, out, tick if bar is not None else None, keyed, shas)
     finally:
         if bar is not None:  # a tqdm without a total refuses bool()
             bar.close()

@@ -80,9 +80,11 @@ def up_to_date(output: Path, key: str) -> bool:
 
 
 def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path, spec: ReadSpec, out: OutputSpec,
-                 progress: Callable[[int, int], None] | None = None, key: str | None = None,
+                 progress: Callable[[int, int], None] | None = None, keyed: bool = False,
                  input_sha256: list[str] | None = None) -> Accounting:
     """Score `inputs` into one output file (and one errors file); both appear whole or not at all.
+    keyed: record the run key of a one-input output (run_key), what `-o DIR` compares to skip it next time;
+    taken when the output is written, since it waits for the model's hash (hashed while the GPU works).
     input_sha256: the inputs' hashes when the caller already has them (each file is hashed once)."""
     shas = input_sha256 or [file_sha256(p) for p in inputs]  # before reading: what was scored is what is named
     names = [p.name for p in engine.policies]
@@ -106,7 +108,8 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
         acc.seconds = time.perf_counter() - t0
         meta = {**engine.describe(), "inputs": [{"path": str(p), "sha256": h} for p, h in zip(inputs, shas)],
                 "read": asdict(spec), "output": asdict(out), "errors_file": str(errors) if err.count else None,
-                "accounting": {**asdict(acc), "balanced": acc.balanced}, "run_key": key}
+                "accounting": {**asdict(acc), "balanced": acc.balanced},
+                "run_key": run_key(engine, spec, out, shas[0]) if keyed else None}
         err.commit()
         writer.commit(meta)
     except BaseException:

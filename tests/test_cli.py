@@ -119,6 +119,39 @@ def test_output_dir_skips_up_to_date_inputs(tmp_path):
     assert "up to date" not in res.output
 
 
+def test_output_dir_scores_a_new_output_before_the_model_hash(tmp_path, monkeypatch):
+    """-o DIR: a file without an output is scored while the model is still being hashed (the run key, which
+    needs the hash, is taken when the output is written); the next run finds it up to date."""
+    import threading
+
+    from policyscan.engine import pipeline
+
+    scored, order = threading.Event(), []
+    fingerprint, score_chunk = Checkpoint.fingerprint, pipeline._score_chunk
+
+    def slow_fingerprint(self):
+        scored.wait(60)  # a scoring that waited for the hash would wait here the whole minute
+        order.append("hashed")
+        return fingerprint(self)
+
+    def first_chunk(*args, **kwargs):
+        if not scored.is_set():
+            order.append("scored")
+            scored.set()
+        return score_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(Checkpoint, "fingerprint", slow_fingerprint)
+    monkeypatch.setattr(pipeline, "_score_chunk", first_chunk)
+    arch, outdir = tmp_path / "archive", tmp_path / "scores"
+    arch.mkdir()
+    pq.write_table(pa.table({"id": ["a"], "text": ["hello"]}), arch / "d1.parquet")
+    run("score", arch, "-o", f"{outdir}/", "--no-progress")
+    assert order[:2] == ["scored", "hashed"]
+    meta = read_metadata(outdir / "d1.scores.parquet")
+    assert meta["run_key"] and meta["model"]["sha256"] == fingerprint(Checkpoint.open(Path(meta["model"]["path"])))
+    assert "up to date" in run("score", arch, "-o", outdir, "--no-progress").output
+
+
 def test_interrupt_leaves_no_partial_file(tmp_path, monkeypatch):
     from policyscan.engine import runner
 
