@@ -86,6 +86,8 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
     keyed: record the run key of a one-input output (run_key), what `-o DIR` compares to skip it next time;
     taken when the output is written, since it waits for the model's hash (hashed while the GPU works).
     input_sha256: the inputs' hashes when the caller already has them (each file is hashed once)."""
+    if keyed and len(inputs) != 1:
+        raise ValueError(f"a run key names one input's output, got {len(inputs)} inputs")
     shas = input_sha256 or [file_sha256(p) for p in inputs]  # before reading: what was scored is what is named
     names = [p.name for p in engine.policies]
     writer, err = ScoreWriter(output, out.fmt, out.layout, names, out.raw), ErrorWriter(errors)

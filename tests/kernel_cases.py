@@ -4,9 +4,21 @@ Tolerance rule: a kernel may be off from the fp64 reference by at most twice wha
 computation (the reference twin) is off, plus a couple of ulps of the output dtype for the final rounding."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from policyscan.kernels import reference
+
+CPU = pytest.param("cpu", id="interp")
+GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
+# query heads per key/value head: 3 (W1, and a group that is not a power of two), 1, 4 (W4), 7 (Qwen2-0.5B)
+CPU_ATTN_SHAPES = [reference.AttnShape(6, 2, 20), reference.AttnShape(3, 3, 20), reference.AttnShape(8, 2, 16)]
+GPU_ATTN_SHAPES = [reference.AttnShape(24, 8, 128), reference.AttnShape(32, 8, 64), reference.AttnShape(14, 2, 64)]
+
+
+def gen(seed=None) -> torch.Generator:
+    """A generator seeded fresh each time (fresh random inputs), or with `seed`."""
+    return torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
 
 
 def adapters_for(rows: int, n: int, g: torch.Generator, device) -> torch.Tensor:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernel_cases import adapters_for, check, further_from, gemm_case, lora_stack, packed, shrink_in_k_order, up64
+from kernel_cases import (CPU, CPU_ATTN_SHAPES, GPU, GPU_ATTN_SHAPES, adapters_for, check, further_from, gemm_case,
+                          gen, lora_stack, packed, shrink_in_k_order, up64)
 from policyscan.kernels import reference
 from policyscan.kernels.reference import AttnShape, PrefixKV
 
@@ -18,18 +19,12 @@ from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
 from policyscan.kernels.rope import rope_qk  # noqa: E402
 
-CPU = pytest.param("cpu", id="interp")
-GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
 GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75, 72, 96, 64, 128)]
 GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5), (513, 3072, 8192, 1, 64),
                    (4099, 3072, 3072, 16, 8)]
 # pointer-fed, TMA-fed, TMA-fed persistent (with fewer programs than tiles); TMA falls back to pointers
 # where a row stride is not 16-byte aligned (K=33, 45 in fp32)
 FEEDS = [{}, {"TMA": True}, {"TMA": True, "PERSISTENT": True}]
-
-
-def gen(seed=None) -> torch.Generator:
-    return torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
 
 
 def variants(device):
@@ -121,11 +116,6 @@ def test_rope_qk(device, qk_norm):
     ref64 = reference.rope_qk(qkv.double(), positions, cos, sin, shape, *up, 1e-6)
     assert torch.equal(out[:, (H + Hkv) * D:], qkv[:, (H + Hkv) * D:]), "v must be untouched"
     check(out, same, ref64, f"rope_qk qk_norm={qk_norm} {dtype}")
-
-
-# query heads per key/value head: 3 (W1, and a group that is not a power of two), 1, 4 (W4), 7 (Qwen2-0.5B)
-CPU_ATTN_SHAPES = [AttnShape(6, 2, 20), AttnShape(3, 3, 20), AttnShape(8, 2, 16)]
-GPU_ATTN_SHAPES = [AttnShape(24, 8, 128), AttnShape(32, 8, 64), AttnShape(14, 2, 64)]
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])

@@ -7,22 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import adapters_for, gemm_case, lora_stack, packed
+from kernel_cases import CPU, CPU_ATTN_SHAPES, GPU, GPU_ATTN_SHAPES, adapters_for, gemm_case, gen, lora_stack, packed
 from policyscan.kernels import reference
-from policyscan.kernels.reference import AttnShape
 
 triton = pytest.importorskip("triton")
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
-
-CPU = pytest.param("cpu", id="interp")
-GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
-
-
-def gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
-
 
 def row_max(y: torch.Tensor) -> torch.Tensor:
     return y.float().abs().amax(1)
@@ -56,11 +47,10 @@ def test_lora_gemm_row_amax(device, silu):
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("last_only", [False, True])
 def test_attention_row_amax(device, last_only):
-    """Per key/value head group, over groups of 3, 1 and 4 query heads, with an empty sequence (a zero row)."""
+    """Per key/value head group, over groups of 1 to 7 query heads, with an empty sequence (a zero row)."""
     g = gen()
     lengths = [1, 7, 33, 0, 64, 20, 3] if device == "cpu" else [1, 700, 257, 0, 64, 1500, 3]
-    shapes = [AttnShape(6, 2, 20), AttnShape(3, 3, 20), AttnShape(8, 2, 16)] if device == "cpu" else \
-        [AttnShape(24, 8, 128), AttnShape(32, 8, 64)]
+    shapes = CPU_ATTN_SHAPES if device == "cpu" else GPU_ATTN_SHAPES
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     for shape in shapes:
         qkv = torch.randn(sum(lengths), (shape.heads + 2 * shape.kv_heads) * shape.head_dim,
