@@ -19,7 +19,7 @@ from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
 from policyscan.kernels import reference  # noqa: E402
-from policyscan.kernels.reference import AttnShape, quantize_rows  # noqa: E402
+from policyscan.kernels.reference import AttnShape, QRope, quantize_rows  # noqa: E402
 from policyscan.kernels.rope import rope_qk  # noqa: E402
 
 T = 16384
@@ -181,8 +181,9 @@ def _attn_batch(width: int = 40 * 128):
 
 
 def sweep_attention(baseline=None) -> None:
-    """Tile configs of the GQA-packed kernel at W1's and W4's heads; `baseline`, another varlen_attention
-    (the previous kernel, copied in by the caller), is timed on the same batch."""
+    """Tile configs of the GQA-packed kernel rotating q as it loads it, at W1's and W4's heads, with the rope
+    pass over k before it; against the rope pass over q and k and the attention without (run 50's change);
+    `baseline`, another varlen_attention (a previous kernel, copied in by the caller), on the same batch."""
     for name, shape in (("W1", AttnShape(24, 8, 128)), ("W4", AttnShape(32, 8, 64))):
         H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
         lens, cu, qkv, fl = _attn_batch((H + 2 * Hkv) * D)
@@ -190,28 +191,34 @@ def sweep_attention(baseline=None) -> None:
         ang = torch.outer(torch.arange(4096, dtype=torch.float64), 1.0 / 5e5 ** (torch.arange(0, D, 2) / D))
         cos, sin = ang.cos().float().cuda(), ang.sin().float().cuda()
         pos = torch.cat([torch.arange(int(n)) for n in lens]).cuda()
-        t_rope = timed(lambda: rope_qk(qkv, pos, cos, sin, shape))
-        base = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5))
-        ref = varlen_attention(qkv, cu, shape, D ** -0.5)
-        rows = []
+        qr = QRope(cos, sin)
+        t_rope_qk = timed(lambda: rope_qk(qkv, pos, cos, sin, shape))
+        t_rope_k = timed(lambda: rope_qk(qkv, pos, cos, sin, shape, rotate_q=False))
+        t_plain = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5))
+        base = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5, q_rope=qr))
+        # the same product both ways: q rotated by the pass, or by the attention
+        x = qkv.clone()
+        before = varlen_attention(rope_qk(x.clone(), pos, cos, sin, shape), cu, shape, D ** -0.5)
+        inside = varlen_attention(rope_qk(x, pos, cos, sin, shape, rotate_q=False), cu, shape, D ** -0.5, q_rope=qr)
+        diff = (before.float() - inside.float()).abs().max().item()
+        print(f"rope {name} {int(cu[-1])} tokens: q and k {t_rope_qk * 1e3:.0f} us + attention {t_plain * 1e3:.0f} us "
+              f"= {(t_rope_qk + t_plain) * 1e3:.0f}; k only {t_rope_k * 1e3:.0f} us + attention rotating q "
+              f"{base * 1e3:.0f} us = {(t_rope_k + base) * 1e3:.0f}; max |diff| {diff:.1e}")
         if baseline is not None:
             old = timed(lambda: baseline(qkv, cu, shape, D ** -0.5))
-            diff = (baseline(qkv, cu, shape, D ** -0.5).float() - ref.float()).abs().max().item()
-            print(f"attention {name}: previous kernel {old * 1e3:.0f} us ({fl / old / 1e9:.0f} TF/s), "
-                  f"max |diff| to the packed one {diff:.1e}")
+            print(f"attention {name}: previous kernel {old * 1e3:.0f} us ({fl / old / 1e9:.0f} TF/s)")
         G = H // Hkv
         gp = 1 << (G - 1).bit_length()
-        for rows_, bn, nw, ns in itertools.product([16, 32, 64, 128], [32, 64], [4, 8], [2, 3]):
-            if rows_ < gp:
+        rows = []
+        for rows_, bn, ns, rch in itertools.product([64, 128], [32, 64], [2, 3], [16, 32, 64]):
+            if rch > D // 2:
                 continue
-            cfg = dict(BQ=rows_ // gp, BN=bn, num_warps=nw, num_stages=ns)
-            t = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5, config=cfg))
+            cfg = dict(BQ=rows_ // gp, BN=bn, num_warps=4, num_stages=ns, RCH=rch)
+            t = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5, config=cfg, q_rope=qr))
             rows.append((t, cfg))
         rows.sort(key=lambda r: r[0])
-        print(f"rope_qk {name} {int(cu[-1])} tokens: {t_rope * 1e3:.0f} us")
-        print(f"attention {name} {int(cu[-1])} tokens, {len(lens)} seqs: default {base * 1e3:.0f} us "
-              f"({fl / base / 1e9:.0f} TF/s); best: " +
-              "; ".join(f"{t * 1e3:.0f} us {c}" for t, c in rows[:4]))
+        print(f"attention {name} {int(cu[-1])} tokens, {len(lens)} seqs, rotating q: default {base * 1e3:.0f} us "
+              f"({fl / base / 1e9:.0f} TF/s); best: " + "; ".join(f"{t * 1e3:.0f} us {c}" for t, c in rows[:4]))
 
 
 def sweep_attention_lib() -> None:

@@ -9,7 +9,7 @@ import torch
 
 from .batch import PackedBatch, pack
 from .config import ModelConfig, inv_freq
-from ..kernels.reference import AttnShape, PrefixKV
+from ..kernels.reference import AttnShape, PrefixKV, QRope
 from .layers import DenseLoraLinear
 
 
@@ -68,22 +68,26 @@ class Decoder:
         positions = batch.positions
         if prefix is not None:  # a sequence's own tokens start after its policy's cached prefix
             positions = positions + prefix.length[batch.token_adapter.long()]
+        # k is rotated in a pass of its own (a cached prefix keeps rotated keys), q by the attention as it loads
+        # its rows: the same product (tests/test_rope.py). Per 16k-token batch and layer, rope pass and attention
+        # took 360 -> 344 us at W1's heads and 234 -> 208 at W4's (bench/sweep.py attention, run 52).
         h = self.embed[batch.ids]
         h_amax = None  # partial row maxima of |h * next norm weight|: see below
         tok_ad, last = batch.token_adapter, batch.last_idx
         for i, layer in enumerate(self.layers):
             # The last layer only needs each sequence's last token past the K/V projections: exact pruning.
             last_only = i == len(self.layers) - 1
-            qkv = ops.rope_qk(layer.qkv(h, tok_ad, x_amax=h_amax), positions, cos, sin, shape, layer.q_norm,
-                              layer.k_norm, cfg.rms_eps)
-            if capture is not None:  # rotated rows: a cached prefix is read as keys at its own positions
+            qkv = ops.rope_qk(layer.qkv(h, tok_ad, x_amax=h_amax), positions, cos, sin, shape, None, layer.k_norm,
+                              cfg.rms_eps, rotate_q=False)
+            if capture is not None:  # rotated keys: a cached prefix is read as keys at its own positions
                 capture.append(qkv)
             pkv = PrefixKV(prefix.layers[i], *seq_pre) if prefix is not None else None
             # Every kernel that writes a projection's input also leaves its row maxima (times the next norm's
             # weight), so that no FP8 prologue sweeps its input for the scale: each reads it once. At 16 bits
             # no prologue quantizes: only the attention's, which costs nothing, is computed, and left unused.
             attn, attn_amax = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.head_dim ** -0.5,
-                                                   cfg.sliding_window, last_only=last_only, prefix=pkv, row_amax=True)
+                                                   cfg.sliding_window, last_only=last_only, prefix=pkv, row_amax=True,
+                                                   q_rope=QRope(cos, sin, layer.q_norm, cfg.rms_eps))
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
             h, h_amax = layer.o.with_amax(attn, tok_ad, residual=h, x_amax=attn_amax,

@@ -184,34 +184,55 @@ class PrefixKV:
     length: torch.Tensor  # [B] int32
 
 
+@dataclass(frozen=True)
+class QRope:
+    """The query side of rope_qk, for varlen_attention to apply as it loads q: per-head RMSNorm (Qwen3's
+    q_norm, if given, rounded to qkv.dtype), then the rotary embedding at the query's position in its
+    sequence, cached prefix included (cos/sin tables [P, D/2] fp32), rounded to qkv.dtype."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    norm: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: AttnShape,
-            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+            rotate_q: bool = True) -> torch.Tensor:
     """Semantics: in place on the q and k heads of qkv [T, (H + 2 Hkv) D]: per-head RMSNorm (if q_norm/k_norm,
     rounded to qkv.dtype), then the rotary embedding at positions[t] (cos/sin tables [P, D/2], fp32 inside,
-    rounded to qkv.dtype). v is untouched. Returns qkv."""
+    rounded to qkv.dtype). v is untouched. rotate_q=False: the k heads only (q_norm None), for an attention
+    that rotates q itself (QRope). Returns qkv."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    if not rotate_q and q_norm is not None:
+        raise ValueError("q_norm belongs to the attention's QRope when q is not rotated here")
     T = qkv.shape[0]
     if T == 0:
         return qkv
-    q = qkv[:, :H * D].reshape(T, H, D)
-    k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
-    if q_norm is not None:
-        q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
     c, s = cos[positions], sin[positions]
-    qkv[:, :H * D] = rope(q, c, s).reshape(T, H * D)
-    qkv[:, H * D:(H + Hkv) * D] = rope(k, c, s).reshape(T, Hkv * D)
+    k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
+    qkv[:, H * D:(H + Hkv) * D] = rope(rmsnorm(k, k_norm, eps) if k_norm is not None else k, c, s).reshape(T, Hkv * D)
+    if rotate_q:
+        qkv[:, :H * D] = rope_q(qkv[:, :H * D].reshape(T, H, D), c, s, q_norm, eps).reshape(T, H * D)
     return qkv
+
+
+def rope_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """q [T, heads, D] normed (if norm) and rotated by cos/sin [T, D/2]."""
+    return rope(rmsnorm(q, norm, eps) if norm is not None else q, cos, sin)
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
                      window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
-                     row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: q, k, v = split(qkv) (q and k already normed and rotated: rope_qk); causal
+                     row_amax: bool = False, q_rope: QRope | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: q, k, v = split(qkv) (k already normed and rotated: rope_qk; q too, or by q_rope); causal
     softmax(q k^T * scale) v within each packed sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded
     to qkv.dtype. With `prefix`, a sequence's keys are its cached prefix rows followed by its own tokens.
     Returns [Tq, H * D]; with last_only, only each sequence's last token queries (Tq = sequences); an empty
     sequence's row is zero. `window` limits each query to its last `window` keys. row_amax: also return
-    partial row maxima of |out| [P, Tq] (see prologue's x_amax).
+    partial row maxima of |out| [P, Tq] (see prologue's x_amax). q_rope: q is normed and rotated here
+    (QRope), as rope_qk would have, and left so in qkv's q columns of the rows that query.
 
     Every product is row-blocked (rows_matmul, row_blocks), so a query's result depends only on its own
     sequence: the same with or without the prefix cache, in any batch."""
@@ -240,6 +261,8 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         if last_only:
             q = q[-1:]
         qpos = kpos[m - q.shape[0]:]
+        if q_rope is not None:  # each query at its position in the sequence, after the prefix; left in qkv
+            q[:] = rope_q(q, q_rope.cos[qpos], q_rope.sin[qpos], q_rope.norm, q_rope.eps)
         mask = kpos[None, :] <= qpos[:, None]
         if window is not None:
             mask &= kpos[None, :] > qpos[:, None] - window

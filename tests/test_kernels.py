@@ -17,7 +17,6 @@ triton = pytest.importorskip("triton")
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
-from policyscan.kernels.rope import rope_qk  # noqa: E402
 
 GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75, 72, 96, 64, 128)]
 GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5), (513, 3072, 8192, 1, 64),
@@ -90,32 +89,6 @@ def test_prologue(device, kind):
                 check(h, rh, e64[0], what + " h")
             h16 = reference.rmsnorm(x, w, 1e-5) if w is not None else x  # what the shrink reads
             check(s, further_from(e64[2], rs, shrink_in_k_order(h16, A, ad)), e64[2], what + " s", factor=4.0)
-
-
-def rope_tables(positions: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    ang = torch.outer(torch.arange(positions, dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
-    return ang.cos().float().to(device), ang.sin().float().to(device)
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_qk(device, qk_norm):
-    g = gen()
-    shape, dtype, T = (AttnShape(6, 2, 20), torch.float32, 37) if device == "cpu" else \
-        (AttnShape(24, 8, 128), torch.bfloat16, 1001)
-    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
-    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype).to(device)
-    positions = torch.randint(0, 3000, (T,), generator=g).to(device)
-    cos, sin = rope_tables(3000, D, device)
-    qn = kn = None
-    if qk_norm:
-        qn, kn = ((1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(device) for _ in range(2))
-    out = rope_qk(qkv.clone(), positions, cos, sin, shape, qn, kn, 1e-6)
-    same = reference.rope_qk(qkv.clone(), positions, cos, sin, shape, qn, kn, 1e-6)
-    up = (None if t is None else t.double() for t in (qn, kn))
-    ref64 = reference.rope_qk(qkv.double(), positions, cos, sin, shape, *up, 1e-6)
-    assert torch.equal(out[:, (H + Hkv) * D:], qkv[:, (H + Hkv) * D:]), "v must be untouched"
-    check(out, same, ref64, f"rope_qk qk_norm={qk_norm} {dtype}")
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
