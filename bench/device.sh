@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
 if [ -z "$SKIP_TESTS" ]; then
-  python3 -m pytest -m gpu tests -q -s -p no:cacheprovider > $O/gpu_tests.log 2>&1
+  python3 -m pytest -m gpu tests -q -s -p no:cacheprovider --durations=12 > $O/gpu_tests.log 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" $O/gpu_tests.log | tail -15
 fi
 if [ -n "$SWEEP" ]; then python3 bench/sweep.py > $O/sweep.log 2>&1; tail -12 $O/sweep.log; fi
