@@ -197,9 +197,9 @@ def sweep_attention(baseline=None) -> None:
         t_plain = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5))
         base = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5, q_rope=qr))
         # the same product both ways: q rotated by the pass, or by the attention
-        x = qkv.clone()
-        before = varlen_attention(rope_qk(x.clone(), pos, cos, sin, shape), cu, shape, D ** -0.5)
-        inside = varlen_attention(rope_qk(x, pos, cos, sin, shape, rotate_q=False), cu, shape, D ** -0.5, q_rope=qr)
+        before = varlen_attention(rope_qk(qkv.clone(), pos, cos, sin, shape), cu, shape, D ** -0.5)
+        inside = varlen_attention(rope_qk(qkv.clone(), pos, cos, sin, shape, rotate_q=False), cu, shape, D ** -0.5,
+                                  q_rope=qr)
         diff = (before.float() - inside.float()).abs().max().item()
         print(f"rope {name} {int(cu[-1])} tokens: q and k {t_rope_qk * 1e3:.0f} us + attention {t_plain * 1e3:.0f} us "
               f"= {(t_rope_qk + t_plain) * 1e3:.0f}; k only {t_rope_k * 1e3:.0f} us + attention rotating q "

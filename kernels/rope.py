@@ -86,9 +86,11 @@ def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     if T == 0:
         return qkv
     BM = 16 if qkv.device.type == "cpu" else 64
-    nw = [t if t is not None else (k_norm if k_norm is not None else cos) for t in (q_norm, k_norm)]
+    # the kernel selects between the two weights, so both need one pointer type (an absent one is never read)
+    kn = k_norm if k_norm is not None else cos
+    qn = q_norm if q_norm is not None else kn
     _rope_kernel[(triton.cdiv(T, BM), H + Hkv if rotate_q else Hkv)](
-        qkv, positions, cos, sin, *nw,
+        qkv, positions, cos, sin, qn, kn,
         T, H, 0 if rotate_q else H, qkv.stride(0), eps, HALF=D // 2, BM=BM, BH=max(16, triton.next_power_of_2(D // 2)),
         NORM=k_norm is not None, num_warps=4)
     return qkv
