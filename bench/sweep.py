@@ -56,6 +56,34 @@ def sweep_prologue() -> None:
               f"warps={best[3]} ({nbytes / best[0] / 1e9:.2f} TB/s of one pass)")
 
 
+def sweep_prologue_norm() -> None:
+    """The norm prologues (qkv, gate_up), the slow ones per byte (run 47b: 1.2-1.5 TB/s against o's 2.9): larger
+    row blocks read each adapter's A once for more rows (qkv: 48 ranks x 3072 of A per block, as many bytes a
+    row as x itself at 64 rows), with the software pipeline's depth."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ad = torch.sort(torch.randint(0, 8, (T,), device="cuda", generator=g).int()).values
+    for name, K, R, P in [("qkv", 3072, 48, 24), ("gate_up", 3072, 32, 24), ("W4 qkv", 2048, 48, 16)]:
+        x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
+        w = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).bfloat16()
+        A = (torch.randn(8, R, K, device="cuda", generator=g) * 0.02).bfloat16()
+        parts = (x.float() * w.float()).abs().reshape(T, P, K // P).amax(-1).T.contiguous()
+        ref = prologue(x, w, 1e-5, A, ad, True, x_amax=parts)
+        base = timed(lambda: prologue(x, w, 1e-5, A, ad, True, x_amax=parts))
+        rows = []
+        for bm, bk, nw, ns in itertools.product([64, 128], [64, 128], [4, 8], [1, 2, 3]):
+            cfg = dict(BM=bm, BK=bk, num_warps=nw, num_stages=ns)
+            out = prologue(x, w, 1e-5, A, ad, True, config=cfg, x_amax=parts)
+            same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                   b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                       for a, b in zip(out[:2], ref[:2]))
+            err = (out[2] - ref[2]).abs().max().item()
+            rows.append((timed(lambda: prologue(x, w, 1e-5, A, ad, True, config=cfg, x_amax=parts)), cfg, same, err))
+        rows.sort(key=lambda r: r[0])
+        nbytes = x.numel() * 2 + T * K
+        print(f"prologue {name}: default {base * 1e3:.0f} us ({nbytes / base / 1e9:.2f} TB/s); best: " + "; ".join(
+            f"{t * 1e3:.0f} us {c} h,scale bitwise {same} s |diff| {e:.1e}" for t, c, same, e in rows[:4]))
+
+
 W1_SHAPES = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]  # qkv, o, gate_up, down: (N, K)
 W4_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
 FEEDS = [{}, {"TMA": True}, {"TMA": True, "PERSISTENT": True}]
@@ -137,7 +165,7 @@ TRITON_BIG = {"TMA": True, "PERSISTENT": True}  # the Triton kernel's config for
 def sweep_gemm_ws() -> None:
     """The warp-specialized ping-pong Gluon GEMM (kernels/lora_gemm_ws.py) against the Triton kernel's
     default config and torch._scaled_mm: error against the fp64 twin and bitwise agreement on odd shapes, then
-    time at W1's and W4's shapes with 4 and 5 stages (6 never fit in shared memory, run 22)."""
+    time at W1's and W4's shapes by the grouped order's group size (6 stages never fit in shared memory, run 22)."""
     from policyscan.kernels.lora_gemm_ws import lora_gemm_ws
     g = torch.Generator(device="cuda").manual_seed(0)
     for M, N, K, kind in [(1000, 1000, 1008, "qkv"), (333, 2056, 512, "o"), (4097, 784, 2048, "gate_up"),
@@ -161,8 +189,19 @@ def sweep_gemm_ws() -> None:
             t = {"_scaled_mm": timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=xs[:, None], scale_b=ws[None, :],
                                                               out_dtype=torch.bfloat16)),
                  "triton": timed(lambda: lora_gemm(*args, silu_out=so, out=out, config=TRITON_BIG))}
-            for st in (4, 5):
-                t[f"ws{st}"] = timed(lambda: lora_gemm_ws(*args[:9], out, silu_out=so, stages=st))
+            ref = lora_gemm_ws(*args[:9], out.clone(), silu_out=so)
+            # the grouped tile order's group size, each twice (64x256 tiles, one m64n256 MMA a k step, lost at
+            # every shape in run 55: 0.85-0.92x of 128x128; 5 stages lost in run 22)
+            for gm in (8, 16, 32) * 2:
+                key = f"ws g{gm}"
+                run = lambda: lora_gemm_ws(*args[:9], out, silu_out=so, group_m=gm)  # noqa: E731
+                try:
+                    same = torch.equal(run(), ref)
+                except Exception as e:  # shared memory, registers
+                    print(f"    {key}: skipped: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                key += "" if same else " NOT BITWISE"
+                t[key] = min(t.get(key, float("inf")), timed(run))  # each twice, interleaved: the cap's drift
             print(f"gemm_ws {name} {kind} M={M} N={N} K={K}: " +
                   ", ".join(f"{k} {v * 1e3:.0f} us ({fl / v / 1e9:.0f} TF/s)" for k, v in t.items()))
 
@@ -205,15 +244,18 @@ def sweep_attention(baseline=None) -> None:
               f"= {(t_rope_qk + t_plain) * 1e3:.0f}; k only {t_rope_k * 1e3:.0f} us + attention rotating q "
               f"{base * 1e3:.0f} us = {(t_rope_k + base) * 1e3:.0f}; max |diff| {diff:.1e}")
         if baseline is not None:
-            old = timed(lambda: baseline(qkv, cu, shape, D ** -0.5))
-            print(f"attention {name}: previous kernel {old * 1e3:.0f} us ({fl / old / 1e9:.0f} TF/s)")
+            old = timed(lambda: baseline(qkv, cu, shape, D ** -0.5, q_rope=qr))
+            same = torch.equal(baseline(qkv.clone(), cu, shape, D ** -0.5, q_rope=qr),
+                               varlen_attention(qkv.clone(), cu, shape, D ** -0.5, q_rope=qr))
+            print(f"attention {name}: previous kernel {old * 1e3:.0f} us ({fl / old / 1e9:.0f} TF/s); "
+                  f"bitwise the same rows: {same}")
         G = H // Hkv
-        gp = 1 << (G - 1).bit_length()
         rows = []
-        for rows_, bn, ns, rch in itertools.product([64, 128], [32, 64], [2, 3], [16, 32, 64]):
-            if rch > D // 2:
-                continue
-            cfg = dict(BQ=rows_ // gp, BN=bn, num_warps=4, num_stages=ns, RCH=rch)
+        # rows = BQ queries x G heads (no dead heads since run 55); 128 rows with two warpgroups; maxnreg 168 or
+        # 128: three or four programs an SM (the default's 254 registers allow two; 64x64 and one-warpgroup
+        # 128-row tiles lost in run 55)
+        for (rows_, nw), bn, ns, mr in itertools.product([(64, 4), (128, 8)], [32], [2, 3], [None, 168, 128]):
+            cfg = dict(BQ=rows_ // G, BN=bn, num_warps=nw, num_stages=ns, RCH=32, maxnreg=mr)
             t = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5, config=cfg, q_rope=qr))
             rows.append((t, cfg))
         rows.sort(key=lambda r: r[0])

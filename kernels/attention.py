@@ -69,10 +69,10 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
 @triton.jit
 def _attn_kernel(
     qkv_ptr, o_ptr, cu_ptr, blk_seq_ptr, cu_blk_ptr, pre_ptr, pre_start_ptr, pre_len_ptr, amax_ptr,
-    cos_ptr, sin_ptr, qn_ptr, scale, window, G, B, eps,
+    cos_ptr, sin_ptr, qn_ptr, scale, window, B, eps,
     stride_t, stride_ot, stride_pre, K_COL, V_COL, stride_am,
     D: tl.constexpr, LAST_ONLY: tl.constexpr, HAS_PREFIX: tl.constexpr, AMAX: tl.constexpr,
-    ROPE: tl.constexpr, QNORM: tl.constexpr, BQ: tl.constexpr, GP: tl.constexpr, BR: tl.constexpr,
+    ROPE: tl.constexpr, QNORM: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr, QP: tl.constexpr, BR: tl.constexpr,
     BN: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, RCH: tl.constexpr, PREC: tl.constexpr,
 ):
     pid, kvh = tl.program_id(0), tl.program_id(1)
@@ -89,13 +89,13 @@ def _attn_kernel(
     n_q = tl.minimum(n_own, 1) if LAST_ONLY else n_own
     rd = tl.arange(0, BD)
     d_ok = rd < D
-    # Row r of the tile is query r // GP of the block in head kvh * G + r % GP: the G query heads that share
-    # this program's key/value head read each key block once (GP: G rounded up to a power of two; the rows
-    # of heads G..GP-1, and those past BQ * GP, are dead).
+    # Row r of the tile is query r // G of the block in head kvh * G + r % G: the G query heads that share
+    # this program's key/value head read each key block once. Only the rows past BQ * G are dead (G = 3:
+    # 63 of 64 rows live, where rounding G up to 4 heads left a quarter of every MMA dead).
     r = tl.arange(0, BR)
-    qi = r // GP
-    h = kvh * G + r % GP
-    live = (r < BQ * GP) & (r % GP < G)
+    qi = r // G
+    h = kvh * G + r % G
+    live = r < BQ * G
     if LAST_ONLY:
         if n_own == 0:  # an empty (padding) sequence still owns its output row
             tl.store(o_ptr + b * stride_ot + h[:, None] * D + rd[None, :],
@@ -152,8 +152,8 @@ def _attn_kernel(
     tl.store(o_ptr + orow[:, None] * stride_ot + h[:, None] * D + rd[None, :], o, mask=m_ok[:, None] & d_ok[None, :])
     if AMAX:  # each query's max |o| over the group's heads: partial kvh of the o projection's quantizer
         row_max = tl.where(m_ok, tl.max(tl.where(d_ok[None, :], tl.abs(o.to(tl.float32)), 0.0), axis=1), 0.0)
-        q_max = tl.max(tl.reshape(row_max, (BR // GP, GP)), axis=1)
-        qv = tl.arange(0, BR // GP)
+        qv = tl.arange(0, QP)  # QP: BQ rounded up to a power of two
+        q_max = tl.max(tl.where(qi[None, :] == qv[:, None], row_max[None, :], 0.0), axis=1)
         q_ok = (qv < BQ) & (mblk * BQ + qv < n_q)
         tl.store(amax_ptr + kvh * stride_am + (b + qv if LAST_ONLY else start + mblk * BQ + qv), q_max, mask=q_ok)
 
@@ -164,7 +164,7 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
                      row_amax: bool = False, q_rope: QRope | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
-    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages) overrides the
+    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, RCH, maxnreg) overrides the
     tile choice (bench/sweep.py); row_amax: also return each row's max |out| per key/value head group
     [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax);
     q_rope: q is normed and rotated as it is loaded, and left so in qkv (the cos/sin tables must cover every
@@ -198,13 +198,14 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         return (out, amax) if row_amax else out
     interpret = qkv.device.type == "cpu"
     G = H // Hkv
-    GP = triton.next_power_of_2(G)
-    # BQ * GP = 64 rows (16 queries of 4 heads at W1's and W4's groups), 32-key blocks, 4 warps, 3 stages: the
-    # best of 32 configs at both heads (bench/sweep.py attention, run 46), W1's 291 us against the one-head
-    # kernel's 301, W4's 185 against 208, with bitwise the same rows. Rotating q (RCH columns of each half at
-    # a time): the same tiles are still the best of 24 at both heads (run 52)
-    cfg = dict(BQ=max(1, 16 // GP), BN=16, num_warps=4, num_stages=1, RCH=8) if interpret else \
-        dict(BQ=max(1, 64 // GP), BN=32, num_warps=4, num_stages=3, RCH=32)
+    # BQ * G <= 64 rows (16 queries of 4 heads at W4's group, 21 of 3 at W1's), 32-key blocks, 4 warps,
+    # 3 stages: the best of 32 configs at both heads (bench/sweep.py attention, run 46; W1's group then padded
+    # to 4 heads), W1's 291 us against the one-head kernel's 301, W4's 185 against 208, with bitwise the same
+    # rows. Rotating q (RCH columns of each half at a time): the same tiles are still the best of 24 (run 52).
+    # maxnreg 168: three programs an SM instead of two (254 registers at W1's heads): W1's heads 330 -> 289 us
+    # despite a few hundred bytes of spills, W4's (172 registers) 202 -> 201 (run 55)
+    cfg = dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1, RCH=8) if interpret else \
+        dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=3, RCH=32, maxnreg=168)
     cfg.update(config or {})
     BQ, BN = (1 if last_only else cfg["BQ"]), cfg["BN"]  # last_only: one query per sequence
     if last_only:
@@ -224,12 +225,12 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         prefix.length if prefix is not None else cu_seqlens, amax if row_amax else out,
         *((q_rope.cos, q_rope.sin, q_rope.norm if q_rope.norm is not None else out) if q_rope is not None
           else (out, out, out)),
-        scale, window or 0, G, B, q_rope.eps if q_rope is not None else 0.0, qkv.stride(0), out.stride(0),
+        scale, window or 0, B, q_rope.eps if q_rope is not None else 0.0, qkv.stride(0), out.stride(0),
         prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D, rows,
         D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, AMAX=row_amax, ROPE=q_rope is not None,
-        QNORM=q_rope is not None and q_rope.norm is not None, BQ=BQ, GP=GP,
-        BR=max(16, BQ * GP), BN=BN, BD=max(16, triton.next_power_of_2(D)),
+        QNORM=q_rope is not None and q_rope.norm is not None, G=G, BQ=BQ, QP=triton.next_power_of_2(BQ),
+        BR=max(16, triton.next_power_of_2(BQ * G)), BN=BN, BD=max(16, triton.next_power_of_2(D)),
         BH=max(16, triton.next_power_of_2(D // 2)), RCH=min(cfg["RCH"], max(16, triton.next_power_of_2(D // 2))),
         PREC="ieee" if qkv.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=cfg["num_stages"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return (out, amax) if row_amax else out

@@ -35,6 +35,42 @@ def _xu_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, NORM: tl.constexpr):
 
 
 @triton.jit
+def _out_chunk(x_ptr, nw_ptr, h_ptr, rm, m_ok, rk, K, stride_xm, stride_hm, scale, rstd, ss,
+               NORM: tl.constexpr, QUANT: tl.constexpr):
+    """Writes one chunk of the output (e4m3 u / scale, or the 16-bit normed row) and returns the chunk the
+    shrink reads, at 16 bits, with the norm's running sum of squares (quantizing with a norm)."""
+    mask = m_ok[:, None] & (rk[None, :] < K)
+    out_ptrs = h_ptr + rm[:, None] * stride_hm + rk[None, :]
+    if QUANT:
+        if NORM:
+            x, u = _xu_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, NORM)
+            ss += tl.sum(x * x, axis=1)
+            h = u.to(x_ptr.dtype.element_ty)  # what the shrink reads: u at 16 bits (rstd is applied after)
+        else:  # h = x as loaded: converting a fp32 copy back cost o's prologue 52 -> 71 us (run 48)
+            h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+            u = h.to(tl.float32)
+        tl.store(out_ptrs, tl.clamp(u / scale[:, None], -448.0, 448.0).to(h_ptr.dtype.element_ty), mask=mask)
+    else:
+        h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+        if NORM:
+            w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            h = (h.to(tl.float32) * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty)
+        tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
+    return h, ss
+
+
+@triton.jit
+def _shrink_chunk(h, sacc, a_ptr, a_id, ad, rr, rk, R, K, stride_an, stride_ar, PREC: tl.constexpr):
+    """sacc += h @ A[a_id].T on one chunk, for the rows of adapter a_id. Masked before the add, which keeps the
+    sum in fp32 adds: with the mask after the loop the compiler chained the dots in the tensor core, and the
+    shrink drifted from fp64 by 2.8e-5 against a bound of 9.0e-6 (run 30)."""
+    at = tl.load(a_ptr + a_id * stride_an + rr[:, None] * stride_ar + rk[None, :],
+                 mask=(rr[:, None] < R) & (rk[None, :] < K), other=0.0)
+    part = tl.dot(h.to(at.dtype), tl.trans(at), input_precision=PREC)
+    return sacc + tl.where((ad == a_id)[:, None], part, 0.0)
+
+
+@triton.jit
 def _prologue_kernel(
     x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr, amax_ptr,
     M, K, R, P, eps,
@@ -80,31 +116,23 @@ def _prologue_kernel(
         ad = tl.load(ad_ptr + rm, mask=m_ok, other=-1)
         lo = tl.min(tl.where(ad >= 0, ad, 2147483647), axis=0)
         hi = tl.max(ad, axis=0)
-    for k in range(0, nk):
-        rk = k * BK + tl.arange(0, BK)
-        mask = m_ok[:, None] & (rk[None, :] < K)
-        out_ptrs = h_ptr + rm[:, None] * stride_hm + rk[None, :]
-        if QUANT:
-            if NORM:
-                x, u = _xu_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, NORM)
-                ss += tl.sum(x * x, axis=1)
-                h = u.to(x_ptr.dtype.element_ty)  # what the shrink reads: u at 16 bits (rstd is applied after)
-            else:  # h = x as loaded: converting a fp32 copy back cost o's prologue 52 -> 71 us (run 48)
-                h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
-                u = h.to(tl.float32)
-            tl.store(out_ptrs, tl.clamp(u / scale[:, None], -448.0, 448.0).to(h_ptr.dtype.element_ty), mask=mask)
-        else:
-            h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
-            if NORM:
-                w = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-                h = (h.to(tl.float32) * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty)
-            tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
-        if HAS_LORA:
-            for a_id in range(lo, hi + 1):  # rows are sorted by adapter: usually one pass
-                at = tl.load(a_ptr + a_id * stride_an + rr[:, None] * stride_ar + rk[None, :],
-                             mask=(rr[:, None] < R) & (rk[None, :] < K), other=0.0)
-                part = tl.dot(h.to(at.dtype), tl.trans(at), input_precision=PREC)
-                sacc += tl.where((ad == a_id)[:, None], part, 0.0)
+    if HAS_LORA and lo == hi:
+        # One adapter in the block, the usual case (rows are sorted by adapter): no loop over adapters inside
+        # the sweep, so A's loads are software-pipelined with x's. Inside one, each chunk waited out an L2 read
+        # of A: the shrink cost qkv's prologue 47 us of its 88 a 16k batch (41 without; run 56).
+        for k in range(0, nk):
+            rk = k * BK + tl.arange(0, BK)
+            h, ss = _out_chunk(x_ptr, nw_ptr, h_ptr, rm, m_ok, rk, K, stride_xm, stride_hm, scale, rstd, ss,
+                               NORM, QUANT)
+            sacc = _shrink_chunk(h, sacc, a_ptr, lo, ad, rr, rk, R, K, stride_an, stride_ar, PREC)
+    else:  # several adapters in the block, none, or no LoRA
+        for k in range(0, nk):
+            rk = k * BK + tl.arange(0, BK)
+            h, ss = _out_chunk(x_ptr, nw_ptr, h_ptr, rm, m_ok, rk, K, stride_xm, stride_hm, scale, rstd, ss,
+                               NORM, QUANT)
+            if HAS_LORA:
+                for a_id in range(lo, hi + 1):
+                    sacc = _shrink_chunk(h, sacc, a_ptr, a_id, ad, rr, rk, R, K, stride_an, stride_ar, PREC)
     if QUANT:
         if NORM:  # rmsnorm(x) * w = rstd * u: rstd goes into the row scale and the shrink
             rstd = 1.0 / tl.sqrt(ss / K + eps)
@@ -120,7 +148,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
              config: dict | None = None, x_amax: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launcher; same semantics as reference.prologue. x [M, K]; `out`
-    (h, h_scale, s) is written in place when given; `config` (BM, BK, num_warps) overrides the tile choice
+    (h, h_scale, s) is written in place when given; `config` (BM, BK, num_warps, num_stages) overrides the tile choice
     (bench/sweep.py); x_amax [P, M] fp32, partial row maxima of |x * norm weight| (or |x|) from the kernel
     that wrote x (lora_gemm's and varlen_attention's row_amax), spares a quantizing prologue its first sweep."""
     if x.dim() != 2 or x.stride(1) != 1:
@@ -173,5 +201,6 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0, x_amax.stride(0) if use_amax else 0,
         NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None, HAS_AMAX=use_amax,
         BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))), BP=16,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 3))
     return h, hs, s

@@ -60,6 +60,8 @@ def test_attention_row_amax(device, last_only):
         assert torch.equal(out, varlen_attention(*args)), "row_amax changed the output"
         assert parts.shape == (shape.kv_heads, out.shape[0])
         assert torch.equal(parts.amax(0), row_max(out)), f"{shape} last_only={last_only}"
+        group_max = out.float().abs().unflatten(1, (shape.kv_heads, -1)).amax(-1).T  # each group's own rows
+        assert torch.equal(parts, group_max), f"{shape} last_only={last_only}: a partial holds another group"
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
