@@ -75,7 +75,7 @@ def _prologue_kernel(
     x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr, amax_ptr,
     M, K, R, P, eps,
     stride_xm, stride_hm, stride_an, stride_ar, stride_sm, stride_ap,
-    NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr, HAS_AMAX: tl.constexpr,
+    NORM: tl.constexpr, QUANT: tl.constexpr, HAS_LORA: tl.constexpr, HAS_AMAX: tl.constexpr, ONE_AD: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr,
 ):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -116,10 +116,9 @@ def _prologue_kernel(
         ad = tl.load(ad_ptr + rm, mask=m_ok, other=-1)
         lo = tl.min(tl.where(ad >= 0, ad, 2147483647), axis=0)
         hi = tl.max(ad, axis=0)
-    if HAS_LORA and lo == hi:
+    if ONE_AD and lo == hi:
         # One adapter in the block, the usual case (rows are sorted by adapter): no loop over adapters inside
-        # the sweep, so A's loads are software-pipelined with x's. Inside one, each chunk waited out an L2 read
-        # of A: the shrink cost qkv's prologue 47 us of its 88 a 16k batch (41 without; run 56).
+        # the sweep, so A's loads are software-pipelined with x's (see the launcher for where it pays).
         for k in range(0, nk):
             rk = k * BK + tl.arange(0, BK)
             h, ss = _out_chunk(x_ptr, nw_ptr, h_ptr, rm, m_ok, rk, K, stride_xm, stride_hm, scale, rstd, ss,
@@ -148,7 +147,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
              config: dict | None = None, x_amax: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launcher; same semantics as reference.prologue. x [M, K]; `out`
-    (h, h_scale, s) is written in place when given; `config` (BM, BK, num_warps, num_stages) overrides the tile choice
+    (h, h_scale, s) is written in place when given; `config` (BM, BK, num_warps, num_stages, ONE_AD) overrides the tile choice
     (bench/sweep.py); x_amax [P, M] fp32, partial row maxima of |x * norm weight| (or |x|) from the kernel
     that wrote x (lora_gemm's and varlen_attention's row_amax), spares a quantizing prologue its first sweep."""
     if x.dim() != 2 or x.stride(1) != 1:
@@ -179,17 +178,18 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         return h, hs, s
     interpret = x.device.type == "cpu"
     # Per kind, from bench/sweep.py at W1's and W4's shapes, each sweeping once (run 48): a norm 64-row
-    # programs, 4 warps (qkv 139 -> 89 us a 16k batch against 8 warps, gate_up 75 -> 71 against 32 rows);
-    # without, 32 rows and 256-wide chunks (o 52 us, down 137, run 47). The choice depends on K and R only,
-    # never on M (batch invariance).
+    # programs, 4 warps (qkv 139 -> 89 us a 16k batch against 8 warps, gate_up 75 -> 71 against 32 rows).
+    # Without a norm, the single-adapter sweep (ONE_AD) at 64 rows and 256-wide chunks: o 72 -> 60 us, down
+    # 190 -> 168, W4's o 49 -> 41 against the adapter loop at 32 rows; with a norm it lost (qkv 88 -> 97,
+    # gate_up 72 -> 84; run 57). The choice depends on K and R only, never on M (batch invariance).
     if interpret:
-        cfg = dict(BM=16, BK=32, num_warps=4)
+        cfg = dict(BM=16, BK=32, num_warps=4, ONE_AD=True)
     elif norm_weight is not None and quant:
-        cfg = dict(BM=64, BK=128, num_warps=4)
+        cfg = dict(BM=64, BK=128, num_warps=4, ONE_AD=False)
     elif norm_weight is not None:  # 16-bit: two sweeps (run 4)
-        cfg = dict(BM=64, BK=128, num_warps=8) if R > 32 else dict(BM=32, BK=128, num_warps=4)
+        cfg = dict(BM=64, BK=128, num_warps=8, ONE_AD=False) if R > 32 else dict(BM=32, BK=128, num_warps=4, ONE_AD=False)
     else:
-        cfg = dict(BM=32, BK=256, num_warps=4)
+        cfg = dict(BM=64, BK=256, num_warps=4, ONE_AD=True)
     cfg["BK"] = min(cfg["BK"], max(16, triton.next_power_of_2(K)))
     cfg.update(config or {})
     BM, BK = cfg["BM"], cfg["BK"]
@@ -199,7 +199,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         h, hs if hs is not None else dummy, s if s is not None else dummy, x_amax if use_amax else dummy,
         M, K, R, x_amax.shape[0] if use_amax else 0, eps, x.stride(0), h.stride(0), A.stride(0) if A is not None else 0,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0, x_amax.stride(0) if use_amax else 0,
-        NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None, HAS_AMAX=use_amax,
+        NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None, HAS_AMAX=use_amax, ONE_AD=cfg["ONE_AD"] and A is not None,
         BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))), BP=16,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3))
