@@ -92,6 +92,29 @@ def test_prologue(device, kind):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("norm", [False, True])
+def test_prologue_single_adapter_sweep_is_bitwise_the_adapter_loop(device, norm):
+    """The two sweeps of the prologue (ONE_AD: one adapter in the block, A's loads pipelined; or the loop over
+    the block's adapters) write the same bits, in blocks of one adapter, several, and none; 16-bit and FP8."""
+    g = gen()
+    shapes = [(37, 70, 3, 4), (64, 96, 16, 9)] if device == "cpu" else [(300, 3072, 48, 8), (1000, 8192, 16, 64)]
+    for M, K, r, n_ad in shapes:
+        for quant in (False, True):
+            dtype = torch.float32 if device == "cpu" else torch.bfloat16
+            x = (torch.randn(M, K, generator=g) * 2).to(dtype).to(device)
+            w = (1 + 0.3 * torch.randn(K, generator=g)).to(dtype).to(device) if norm else None
+            ad = adapters_for(M, n_ad, g, device)
+            A, _ = lora_stack(n_ad, r, 1, K, dtype, g, device)
+            cfg = dict(BM=16, BK=32, num_warps=4) if device == "cpu" else dict(BM=64, BK=128, num_warps=4)
+            one, loop = (prologue(x, w, 1e-5, A, ad, quant, config=dict(cfg, ONE_AD=o)) for o in (True, False))
+            for a, b, what in zip(one, loop, ("h", "scale", "s")):
+                if a is not None:
+                    assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                       b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), \
+                        f"M={M} K={K} r={r} norm={norm} quant={quant}: {what}"
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("last_only", [False, True])
 def test_varlen_attention(device, window, last_only):
