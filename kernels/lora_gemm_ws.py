@@ -275,7 +275,7 @@ def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Te
 def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scale: torch.Tensor,
                  s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
                  bias: torch.Tensor | None, residual: torch.Tensor | None, y: torch.Tensor,
-                 silu_out: bool = False, stages: int = STAGES, amax: torch.Tensor | None = None,
+                 silu_out: bool = False, amax: torch.Tensor | None = None,
                  amax_weight: torch.Tensor | None = None, group_m: int | None = None) -> torch.Tensor:
     """Launcher for FP8 x [M, K] and W [N, K] (row scales x_scale [M], w_scale [N]) into y; the caller,
     kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`. amax [cdiv(N, BN), M] fp32,
@@ -308,6 +308,6 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
         amax_weight if amax_weight is not None else x_scale, M, N, K, R,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         HAS_LORA=s is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU_OUT=silu_out,
-        GROUP_M=group_m, NUM_PROGS=sms, AMAX=amax is not None, AMAX_W=amax_weight is not None, STAGES=stages, BR=max(16, triton.next_power_of_2(max(R, 1))), num_warps=4,
-        maxnreg=168)
+        GROUP_M=group_m, NUM_PROGS=sms, AMAX=amax is not None, AMAX_W=amax_weight is not None, STAGES=STAGES,
+        BR=max(16, triton.next_power_of_2(max(R, 1))), num_warps=4, maxnreg=168)
     return y
