@@ -1,31 +1,20 @@
-"""policyscan score / inspect / quantize as a user runs them, on the bundled sample model and policies."""
+"""policyscan score / inspect / quantize / verify as a user runs them, on the bundled sample model and policies:
+outputs, layouts, resuming, reproducibility. What goes wrong is in test_cli_failures.py."""
 from __future__ import annotations
 
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
+from cli_cases import MSG, SAMPLE, run
 from policyscan.cli.main import cli
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.sinks import read_metadata
-
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
-sys.path.insert(0, str(SAMPLE))
-from synth import conversations  # noqa: E402
-
-MSG = next(c["messages"] for c in conversations(20, seed=99) if c["pii"] and not c["investment_advice"])
-
-
-def run(*args, ok=(0,)):
-    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code in ok, result.output
-    return result
 
 
 def test_sample_parquet_wide_with_metadata(tmp_path):
@@ -82,28 +71,6 @@ def test_jsonl_long_layout_keep_and_errors(tmp_path):
     assert pii[0] > 0.5 > pii[1]  # the assistant disclosed personal data; "d" is the user's opening line only
 
 
-def test_strict_stops_and_leaves_nothing(tmp_path):
-    src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": ""}) + "\n")
-    out = tmp_path / "o.parquet"
-    res = CliRunner().invoke(cli, ["score", str(src), "-o", str(out), "--strict", "--no-progress"])
-    assert res.exit_code == 1 and "line 2: empty conversation" in res.output
-    assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
-
-
-def test_unreadable_file_is_reported_and_the_run_goes_on(tmp_path):
-    good = tmp_path / "good.jsonl"
-    good.write_text(json.dumps({"text": "hello there"}) + "\n")
-    bad = tmp_path / "bad.parquet"
-    bad.write_bytes(b"not parquet at all")
-    out = tmp_path / "o.parquet"
-    res = run("score", good, bad, "-o", out, "--no-progress", ok=(3,))
-    assert pq.read_table(out).num_rows == 1
-    err = json.loads((tmp_path / "o.parquet.errors.jsonl").read_text())
-    assert err["file"].endswith("bad.parquet") and "not a readable Parquet file" in err["reason"]
-    assert "files that could not be read" in res.output
-
-
 def test_output_dir_skips_up_to_date_inputs(tmp_path):
     arch = tmp_path / "archive"
     arch.mkdir()
@@ -150,38 +117,6 @@ def test_output_dir_scores_a_new_output_before_the_model_hash(tmp_path, monkeypa
     meta = read_metadata(outdir / "d1.scores.parquet")
     assert meta["run_key"] and meta["model"]["sha256"] == fingerprint(Checkpoint.open(Path(meta["model"]["path"])))
     assert "up to date" in run("score", arch, "-o", outdir, "--no-progress").output
-
-
-def test_interrupt_leaves_no_partial_file(tmp_path, monkeypatch):
-    from policyscan.engine import runner
-
-    def boom(self, convs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(runner.Engine, "score_conversations", boom)
-    out = tmp_path / "o.parquet"
-    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.jsonl"), "-o", str(out), "--no-progress"])
-    assert res.exit_code == 130 and not out.exists() and not list(tmp_path.glob(".*"))
-
-
-def test_usage_errors(tmp_path):
-    res = CliRunner().invoke(cli, ["score", str(tmp_path / "missing.parquet"), "--no-progress"])
-    assert res.exit_code == 1 and "no such file or directory" in res.output
-    res = CliRunner().invoke(cli, ["score", "x", "--format", "csv"])
-    assert res.exit_code == 2
-    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--text-column", "a",
-                                   "--messages-column", "b"])
-    assert res.exit_code == 1 and "not both" in res.output
-
-
-def test_wrong_adapter_for_the_model(tmp_path):
-    from hf_fixtures import SPECS, make_model, make_policy
-
-    other = make_model(tmp_path / "other", "llama")
-    make_policy(other, tmp_path / "foreign", "foreign", SPECS[0], seed=0)
-    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--policies",
-                                   str(tmp_path / "foreign"), "--no-progress"])
-    assert res.exit_code == 1 and "label '<3>'" in res.output  # labels are checked against the tokenizer first
 
 
 def test_inspect_and_quantize(tmp_path):
@@ -254,72 +189,9 @@ def test_many_chunks_and_two_inputs_into_one_output(tmp_path):
     assert pq.read_table(whole).to_pylist() == pq.read_table(out).slice(0, 200).to_pylist()
 
 
-def test_a_text_the_tokenizer_drops_is_an_error_row(tmp_path):
-    """Some tokenizers normalize a text to nothing; with no BOS or template that would be an empty prompt."""
-    from policyscan.engine.pipeline import OutputSpec, score_inputs
-    from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine, EngineSettings
-    from policyscan.engine.sources import ReadSpec
-
-    engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", max_length=256))
-    real = engine.encoder.encode_batch
-    engine.encoder.encode_batch = lambda texts: [[] if "VANISH" in t else ids for t, ids in zip(texts, real(texts))]
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in
-                           enumerate(["hello there", "VANISH", "my card number is 4111"])))
-    acc = score_inputs(engine, [src], tmp_path / "o.parquet", tmp_path / "e.jsonl", ReadSpec(), OutputSpec())
-    assert acc.balanced and acc.rows_scored == 2 and acc.rows_in_errors == 1
-    assert pq.read_table(tmp_path / "o.parquet").column("id").to_pylist() == ["0", "2"]
-    err = json.loads((tmp_path / "e.jsonl").read_text())
-    assert err["line"] == 2 and err["id"] == "1" and "encodes to no tokens" in err["reason"]
-
-
-def test_sigterm_leaves_no_partial_file_and_a_rerun_resumes(tmp_path):
-    """A cron job killed mid-run: no output or temporary file is left; the next run scores what is missing."""
-    import os
-    import signal
-    import subprocess
-    import time
-
-    arch = tmp_path / "archive"
-    arch.mkdir()
-    shutil.copy(SAMPLE / "conversations.parquet", arch / "day1.parquet")
-    with open(arch / "day2.jsonl", "w") as f:  # big enough to still be running when the signal comes
-        line = (SAMPLE / "conversations.jsonl").read_text()
-        for _ in range(8):
-            f.write(line)
-    out = tmp_path / "scores"
-    cmd = [sys.executable, "-m", "policyscan.cli.main", "score", str(arch), "-o", f"{out}/", "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while not (out / "day1.scores.parquet").exists() and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
-    log, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, log
-    assert sorted(os.listdir(out)) == ["day1.scores.parquet"], log  # day2 left no partial or temporary file
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
-    assert "day1.parquet: up to date" in res.stderr and "day2.scores.parquet" in res.stderr
-    assert pq.read_table(out / "day2.scores.parquet").num_rows == 1600
-
-
 def test_progress_bar_on_a_terminal(tmp_path, monkeypatch):
     from policyscan.cli import score as score_cmd
 
     monkeypatch.setattr(score_cmd, "_is_terminal", lambda: True)
     res = run("score", SAMPLE / "conversations.jsonl", "-o", tmp_path / "o.parquet")
     assert "200 rows" in res.output and "tok/s" in res.output
-
-
-def test_engine_setting_errors_are_for_people():
-    import torch
-
-    if not torch.cuda.is_available():
-        res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--device", "cuda"])
-        assert res.exit_code == 1 and "no CUDA GPU is visible; use --device cpu" in res.output
-    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--max-length", "10"])
-    assert res.exit_code == 1 and "raise --max-length" in res.output
-    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--batch-tokens", "100"])
-    assert res.exit_code == 1 and "--batch-tokens (100) must be at least --max-length" in res.output
