@@ -164,9 +164,9 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
                      row_amax: bool = False, q_rope: QRope | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
-    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, RCH, maxnreg) overrides the
-    tile choice (bench/sweep.py); row_amax: also return each row's max |out| per key/value head group
-    [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax);
+    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, RCH, maxnreg)
+    overrides the tile choice (bench/sweep.py); row_amax: also return each row's max |out| per key/value head
+    group [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax);
     q_rope: q is normed and rotated as it is loaded, and left so in qkv (the cos/sin tables must cover every
     query's position)."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
@@ -183,11 +183,13 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
             raise ValueError("prefix start/length must be int32 [B]")
     if q_rope is not None:
         c, sn = q_rope.cos, q_rope.sin
-        if c.shape != sn.shape or c.dim() != 2 or c.shape[1] != D // 2 or not (c.is_contiguous() and sn.is_contiguous()) \
-                or c.dtype != torch.float32 or sn.dtype != torch.float32:
+        if (c.shape != sn.shape or c.dim() != 2 or c.shape[1] != D // 2
+                or not (c.is_contiguous() and sn.is_contiguous())
+                or c.dtype != torch.float32 or sn.dtype != torch.float32):
             raise ValueError(f"q_rope cos/sin must be contiguous fp32 [positions, {D // 2}], got {tuple(c.shape)}")
         if q_rope.norm is not None and (q_rope.norm.shape != (D,) or q_rope.norm.dtype != qkv.dtype):
-            raise ValueError(f"q_rope norm must be [{D}] {qkv.dtype}, got {tuple(q_rope.norm.shape)} {q_rope.norm.dtype}")
+            raise ValueError(f"q_rope norm must be [{D}] {qkv.dtype}, "
+                             f"got {tuple(q_rope.norm.shape)} {q_rope.norm.dtype}")
     rows = B if last_only else T
     if out is None:
         out = torch.empty((rows, H * D), dtype=qkv.dtype, device=qkv.device)

@@ -193,7 +193,8 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and W {tuple(W.shape)} {W.dtype} do not fit")
     if x.stride(1) != 1 or W.stride(1) != 1:
         raise ValueError("x and W need a contiguous last dimension")
-    if (x_scale is None) != (w_scale is None) or (x_scale is not None and (x_scale.numel() != M or w_scale.numel() != N)):
+    if (x_scale is None) != (w_scale is None) or \
+            (x_scale is not None and (x_scale.numel() != M or w_scale.numel() != N)):
         raise ValueError("x_scale [M] and w_scale [N] come together")
     if (s is None) != (B is None):
         raise ValueError("s and B come together")

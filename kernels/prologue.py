@@ -10,8 +10,9 @@ in chunks. The FP8 scale needs amax |u| before the first write; the kernels that
 input (attention, and the GEMM epilogues, times the next norm's weight) leave partial row maxima of what they
 stored (x_amax), whose max is that amax exactly, so a quantizing prologue sweeps its input once and sums the
 norm's squares on the way (bench/sweep.py, runs 47-48: a W1 layer's four prologues 421 -> ~349 us a 16k
-batch; with run 46's attention, W1 159.8k -> 163.8k tokens/s and W4 430.4k -> 448.0k, run 49). Without x_amax (the first layer's input, the embeddings) a first sweep finds the amax; at 16 bits a
-first sweep finds the sum of squares, which must come before the normed h is written.
+batch; with run 46's attention, W1 159.8k -> 163.8k tokens/s and W4 430.4k -> 448.0k, run 49). Without
+x_amax (the first layer's input, the embeddings) a first sweep finds the amax; at 16 bits a first sweep finds
+the sum of squares, which must come before the normed h is written.
 """
 from __future__ import annotations
 
@@ -146,10 +147,10 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
              out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
              config: dict | None = None, x_amax: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Launcher; same semantics as reference.prologue. x [M, K]; `out`
-    (h, h_scale, s) is written in place when given; `config` (BM, BK, num_warps, num_stages, ONE_AD) overrides the tile choice
-    (bench/sweep.py); x_amax [P, M] fp32, partial row maxima of |x * norm weight| (or |x|) from the kernel
-    that wrote x (lora_gemm's and varlen_attention's row_amax), spares a quantizing prologue its first sweep."""
+    """Launcher; same semantics as reference.prologue. x [M, K]; `out` (h, h_scale, s) is written in place
+    when given; `config` (BM, BK, num_warps, num_stages, ONE_AD) overrides the tile choice (bench/sweep.py);
+    x_amax [P, M] fp32, partial row maxima of |x * norm weight| (or |x|) from the kernel that wrote x
+    (lora_gemm's and varlen_attention's row_amax), spares a quantizing prologue its first sweep."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D with a contiguous last dimension, got {tuple(x.shape)}")
     M, K = x.shape
@@ -179,17 +180,20 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     interpret = x.device.type == "cpu"
     # Per kind, from bench/sweep.py at W1's and W4's shapes, each sweeping once (run 48): a norm 64-row
     # programs, 4 warps (qkv 139 -> 89 us a 16k batch against 8 warps, gate_up 75 -> 71 against 32 rows).
-    # Without a norm, the single-adapter sweep (ONE_AD) at 64 rows and 256-wide chunks: o 72 -> 60 us, down
-    # 190 -> 168, W4's o 49 -> 41 against the adapter loop at 32 rows; with a norm it lost (qkv 88 -> 97,
-    # gate_up 72 -> 84; run 57). The choice depends on K and R only, never on M (batch invariance).
+    # Quantizing without a norm, the single-adapter sweep (ONE_AD) at 64 rows and 256-wide chunks: o 72 -> 60
+    # us, down 190 -> 168, W4's o 49 -> 41 against the adapter loop at 32 rows; with a norm it lost (qkv 88 ->
+    # 97, gate_up 72 -> 84; run 57); the 16-bit path was not measured with it. The choice depends on K and R
+    # only, never on M (batch invariance).
     if interpret:
         cfg = dict(BM=16, BK=32, num_warps=4, ONE_AD=True)
     elif norm_weight is not None and quant:
         cfg = dict(BM=64, BK=128, num_warps=4, ONE_AD=False)
     elif norm_weight is not None:  # 16-bit: two sweeps (run 4)
-        cfg = dict(BM=64, BK=128, num_warps=8, ONE_AD=False) if R > 32 else dict(BM=32, BK=128, num_warps=4, ONE_AD=False)
-    else:
+        cfg = dict(BM=64 if R > 32 else 32, BK=128, num_warps=8 if R > 32 else 4, ONE_AD=False)
+    elif quant:
         cfg = dict(BM=64, BK=256, num_warps=4, ONE_AD=True)
+    else:
+        cfg = dict(BM=32, BK=256, num_warps=4, ONE_AD=False)
     cfg["BK"] = min(cfg["BK"], max(16, triton.next_power_of_2(K)))
     cfg.update(config or {})
     BM, BK = cfg["BM"], cfg["BK"]
@@ -199,7 +203,8 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         h, hs if hs is not None else dummy, s if s is not None else dummy, x_amax if use_amax else dummy,
         M, K, R, x_amax.shape[0] if use_amax else 0, eps, x.stride(0), h.stride(0), A.stride(0) if A is not None else 0,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0, x_amax.stride(0) if use_amax else 0,
-        NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None, HAS_AMAX=use_amax, ONE_AD=cfg["ONE_AD"] and A is not None,
+        NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None, HAS_AMAX=use_amax,
+        ONE_AD=cfg["ONE_AD"] and A is not None,
         BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))), BP=16,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3))

@@ -217,7 +217,8 @@ def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     return qkv
 
 
-def rope_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rope_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor | None,
+           eps: float) -> torch.Tensor:
     """q [T, heads, D] normed (if norm) and rotated by cos/sin [T, D/2]."""
     return rope(rmsnorm(q, norm, eps) if norm is not None else q, cos, sin)
 
