@@ -16,15 +16,14 @@ stack a thread). The expand is one bf16 MMA per adapter in the tile, B's slice s
 Measured (bench/sweep.py gemm_ws, run 22; 16k rows, qkv / o / gate_up / down): W1's shapes 434 / 277 /
 1373 / 696 us against the Triton kernel's 466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693;
 4 stages (5 do not fit beside the output tiles; at gate_up, where they do, 1432 us).
+Not cooperative 128x256 tiles (two m64n256 consumers sharing each W tile, as DeepGEMM): bitwise the same rows,
+but 0.96-1.03x of this kernel's speed at W1's and W4's shapes and no change end to end (run 59).
 Batch invariance: BK is fixed and K is reduced in order by one warpgroup, with the same MMA instructions in
 the same order as the Triton kernel: the rows are bitwise that kernel's (tests/test_kernels.py::
 test_fp8_gemm_kernels_agree_bitwise), so kernels.lora_gemm may pick either by M.
 CPU: Gluon has no interpreter; the same semantics run in lora_gemm.py's Triton kernel under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
-
-import functools
-import inspect
 
 import torch
 import triton
@@ -34,31 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .gluon_hopper import smem_layout, tma_load, tma_store
 from .launch import sm_count, tma_ok
-
-# warp_specialize takes a list of (fn, args) from Triton 3.6 on (the device's version); the earlier form was
-# never run here, so such a Triton counts as one without this kernel (kernels.lora_gemm falls back).
-if "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters:
-    raise ImportError("lora_gemm_ws needs Gluon's warp_specialize(functions_and_args, ...) (Triton 3.6 or later)")
-
-# TMA copies: Triton 3.6 names them async_copy_global_to_shared / async_copy_shared_to_global, later
-# versions async_load / async_store (and remove the old names): two definitions, one per version.
-if hasattr(tma, "async_load"):
-    @gluon.jit
-    def _tma_load(desc, coord, bar, buf):
-        tma.async_load(desc, coord, bar, buf)
-
-    @gluon.jit
-    def _tma_store(desc, coord, buf):
-        tma.async_store(desc, coord, buf)
-else:
-    @gluon.jit
-    def _tma_load(desc, coord, bar, buf):
-        tma.async_copy_global_to_shared(desc, coord, bar, buf)
-
-    @gluon.jit
-    def _tma_store(desc, coord, buf):
-        tma.async_copy_shared_to_global(desc, coord, buf)
 
 # 4 stages of 32 KB + two 32 KB output tiles + two B slices: 200 KB of the 227 KB of shared memory
 BM, BN, BK, STAGES = 128, 128, 128, 4
@@ -97,8 +73,8 @@ def _load(args, flags):
             s = pos % S
             mbarrier.wait(empty.index(s), ((pos // S) & 1) ^ 1)
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            _tma_load(x_desc, [pid_m * BM, kk * BK], ready.index(s), a_bufs.index(s))
-            _tma_load(w_desc, [pid_n * BN, kk * BK], ready.index(s), b_bufs.index(s))
+            tma_load(x_desc, [pid_m * BM, kk * BK], ready.index(s), a_bufs.index(s))
+            tma_load(w_desc, [pid_n * BN, kk * BK], ready.index(s), b_bufs.index(s))
 
 
 @gluon.jit
@@ -140,7 +116,7 @@ def _consume(args, flags, ROLE: gl.constexpr):
             # the residual tile comes by TMA into the output buffer while the MMAs run
             tma.store_wait(0)
             mbarrier.expect(res_bar.index(ROLE), r_desc.block_type.nbytes)
-            _tma_load(r_desc, [off_m, off_n], res_bar.index(ROLE), c_smem)
+            tma_load(r_desc, [off_m, off_n], res_bar.index(ROLE), c_smem)
         acc = gl.zeros([BM, BN], gl.float32, mma)
         # Mainloops take turns in tile order: tile i starts once tile i - 1 has passed all its waits on
         # `ready`. Besides the ping-pong itself this keeps the parity waits sound: when a stage is waited
@@ -207,7 +183,7 @@ def _consume(args, flags, ROLE: gl.constexpr):
             gl.store(amax_ptr + pid_n * M + am_rows, am, mask=am_rows < M)
         c_smem.store(out)
         fence_async_shared()
-        _tma_store(y_desc, [off_m, out_n], c_smem)
+        tma_store(y_desc, [off_m, out_n], c_smem)
     tma.store_wait(0)
 
 
@@ -257,11 +233,6 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
     ], [4, 1], [232, 40])
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, cols: int, fp8: bool) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv if fp8 else gl.bfloat16)
-
-
 def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Tensor | None,
            B: torch.Tensor | None) -> bool:
     """Whether lora_gemm_ws takes this call: FP8 in, bf16 out on a Hopper GPU, TMA-able operands, ranks up to 64
@@ -289,10 +260,10 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     if not usable(x, W, y, residual, B) or x_scale is None or w_scale is None:
         raise ValueError("lora_gemm_ws takes FP8 x and W with row scales on a Hopper GPU, TMA-aligned rows, "
                          "bf16 B of rank <= 64; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
-    xd = TensorDescriptor.from_tensor(x, [BM, BK], _smem_layout(BM, BK, True))
-    wd = TensorDescriptor.from_tensor(W, [BN, BK], _smem_layout(BN, BK, True))
+    xd = TensorDescriptor.from_tensor(x, [BM, BK], smem_layout(BM, BK, True))
+    wd = TensorDescriptor.from_tensor(W, [BN, BK], smem_layout(BN, BK, True))
     y_block = [BM, BN // 2 if silu_out else BN]
-    yd = TensorDescriptor.from_tensor(y, y_block, _smem_layout(*y_block, False))
+    yd = TensorDescriptor.from_tensor(y, y_block, smem_layout(*y_block, False))
     rd = TensorDescriptor.from_tensor(residual, [BM, BN], yd.layout) if residual is not None else yd
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     if group_m is None:
