@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import inspect
 
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
@@ -18,23 +17,9 @@ if "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters:
     raise ImportError("lora_gemm_ws needs Gluon's warp_specialize(functions_and_args, ...) (Triton 3.6 or later)")
 
 # TMA copies: Triton 3.6 names them async_copy_global_to_shared / async_copy_shared_to_global, later
-# versions async_load / async_store (and remove the old names): two definitions, one per version.
-if hasattr(tma, "async_load"):
-    @gluon.jit
-    def tma_load(desc, coord, bar, buf):
-        tma.async_load(desc, coord, bar, buf)
-
-    @gluon.jit
-    def tma_store(desc, coord, buf):
-        tma.async_store(desc, coord, buf)
-else:
-    @gluon.jit
-    def tma_load(desc, coord, bar, buf):
-        tma.async_copy_global_to_shared(desc, coord, bar, buf)
-
-    @gluon.jit
-    def tma_store(desc, coord, buf):
-        tma.async_copy_shared_to_global(desc, coord, buf)
+# versions async_load / async_store (and remove the old names).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @functools.lru_cache(maxsize=None)
