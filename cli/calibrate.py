@@ -55,7 +55,8 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         ids, f, raw_labels, label_col = _score(engine, files, spec, label_column)
     y, bad = parse_labels(raw_labels, policy.compliant, policy.violation)
     if bad:
-        click.echo(f"{len(bad)} rows have no usable label and are left out, e.g. row {bad[0][0]}: {bad[0][1]}", err=True)
+        click.echo(f"{len(bad)} rows have no usable label and are left out, e.g. row {bad[0][0]}: {bad[0][1]}",
+                   err=True)
     ok = np.array([v is not None for v in y])
     ids, f, y = [i for i, k in zip(ids, ok) if k], f[ok], np.array([v for v in y if v is not None], dtype=bool)
     hold = np.array([_hashed(i) < holdout for i in ids], dtype=bool)
@@ -77,7 +78,8 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         from ..calibration.plot import reliability_plot
 
         reliability_plot(Path(plot), f"{policy.name} ({where} rows)",
-                         {"before (sigmoid f)": (sigmoid(f[report]), y[report]), "after Platt": (fit(f[report]), y[report])})
+                         {"before (sigmoid f)": (sigmoid(f[report]), y[report]),
+                          "after Platt": (fit(f[report]), y[report])})
         click.echo(f"wrote {plot}")
     if dry_run:
         click.echo("--dry-run: policy.json left unchanged")

@@ -23,7 +23,8 @@ from .common import (EXIT_OK, clip_chars, EXIT_ROW_ERRORS, default_model, defaul
                    "skipping inputs whose output is up to date [default: ./<input>.scores.<format>]")
 @model_option
 @click.option("--policies", multiple=True, metavar="DIR",
-              help="a policy bundle or a folder of bundles; repeatable [default: $POLICYSCAN_POLICIES, else the samples]")
+              help="a policy bundle or a folder of bundles; repeatable "
+                   "[default: $POLICYSCAN_POLICIES, else the samples]")
 @click.option("--text-column", default=None, metavar="C", help="column holding the conversation as text")
 @click.option("--messages-column", default=None, metavar="C",
               help="column holding a list of {role, content}, rendered with the model's chat template")

@@ -20,7 +20,8 @@ class PackedBatch:
     def __post_init__(self) -> None:
         # checked on the host only: on a GPU the check would wait for the stream (and cannot run in a capture)
         if self.cu_seqlens.device.type == "cpu" and self.cu_seqlens[-1].item() != self.ids.numel():
-            raise ValueError(f"cu_seqlens ends at {self.cu_seqlens[-1].item()}, but the batch has {self.ids.numel()} tokens")
+            raise ValueError(f"cu_seqlens ends at {self.cu_seqlens[-1].item()}, "
+                             f"but the batch has {self.ids.numel()} tokens")
         if self.seq_adapter.numel() != self.cu_seqlens.numel() - 1:
             raise ValueError("one adapter index per sequence is needed")
 

@@ -88,7 +88,8 @@ def load_policy(path: str | Path) -> Policy:
 def _load_adapter(path: Path) -> tuple[LoraWeights, str]:
     cfg_path, w_path = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not cfg_path.is_file() or not w_path.is_file():
-        bin_hint = " (adapter_model.bin is a pickle file and is never loaded)" if (path / "adapter_model.bin").exists() else ""
+        bin_hint = (" (adapter_model.bin is a pickle file and is never loaded)"
+                    if (path / "adapter_model.bin").exists() else "")
         raise PolicyError(f"{path}: needs adapter_config.json and adapter_model.safetensors{bin_hint}")
     cfg = json.loads(cfg_path.read_text())
     if cfg.get("peft_type", "LORA") != "LORA":

@@ -78,7 +78,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, shard_bytes:
         save_file(tensors, out / fname, metadata={"format": "pt"})
         weight_map.update({k: fname for k in tensors})
     if len(shards) > 1:
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        index = {"metadata": {}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     config = json.loads((ckpt.model_dir / "config.json").read_text())
     config["quantization_config"] = FP8_DYNAMIC_CONFIG
     (out / "config.json").write_text(json.dumps(config, indent=2))
