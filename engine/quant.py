@@ -8,12 +8,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..kernels.reference import FP8, FP8_MAX
 from .checkpoint import Checkpoint, weight_name
 from .config import PROJECTIONS
 from .errors import CheckpointError
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 
 # What llm-compressor writes for its FP8_DYNAMIC scheme, so vLLM and others load our output too.
 FP8_DYNAMIC_CONFIG = {

@@ -17,7 +17,7 @@ Measured (bench/sweep.py gemm_ws, run 22; 16k rows, qkv / o / gate_up / down): W
 1373 / 696 us against the Triton kernel's 466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693;
 4 stages (5 do not fit beside the output tiles; at gate_up, where they do, 1432 us).
 Not cooperative 128x256 tiles (two m64n256 consumers sharing each W tile, as DeepGEMM): bitwise the same rows,
-but 0.96-1.03x of this kernel's speed at W1's and W4's shapes and no change end to end (run 59).
+but 0.93-1.05x of this kernel's speed at W1's and W4's shapes and no change end to end (run 59).
 Batch invariance: BK is fixed and K is reduced in order by one warpgroup, with the same MMA instructions in
 the same order as the Triton kernel: the rows are bitwise that kernel's (tests/test_kernels.py::
 test_fp8_gemm_kernels_agree_bitwise), so kernels.lora_gemm may pick either by M.

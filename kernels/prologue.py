@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-
 
 @triton.jit
 def _xu_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, NORM: tl.constexpr):
@@ -98,7 +96,7 @@ def _prologue_kernel(
                 rk = k * BK + tl.arange(0, BK)
                 x, u = _xu_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, NORM)
                 mx = tl.maximum(mx, tl.max(tl.abs(u), axis=1))
-        scale = tl.where(mx > 0, mx / 448.0, 1.0)
+        scale = tl.where(mx > 0, mx / 448.0, 1.0)  # 448: the largest finite e4m3 (reference.FP8_MAX)
     elif NORM:  # 16-bit output: the norm comes first, so its sum of squares needs a sweep of its own
         ss = tl.zeros((BM,), dtype=tl.float32)
         for k in range(0, nk):
