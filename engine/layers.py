@@ -72,6 +72,32 @@ class DenseLoraLinear:
         out = self._forward(x, token_adapter, residual, x_amax, self.quantized, next_norm)
         return out if self.quantized else (out, None)
 
+    def split_rows(self, x: torch.Tensor, token_adapter: torch.Tensor, split: int, rows: torch.Tensor,
+                   rows_adapter: torch.Tensor, x_amax: torch.Tensor | None = None) -> torch.Tensor:
+        """y as __call__ gives it, but columns [:split] only at `rows` (whose adapters are rows_adapter); those
+        columns of the other rows are left unset. For the last layer's qkv: k and v are keys of every token,
+        q only queries at each sequence's last one. Every row the GEMMs compute is bitwise what the whole
+        product gives it (no output row depends on the batch: tests/test_invariance.py)."""
+        if self.silu_out or not 0 < split < self.out_features:
+            raise ValueError(f"split_rows needs a plain projection and 0 < split < {self.out_features}")
+        p, lora = self.prologue, self.lora
+        h, h_scale, s = self.ops.prologue(x, p.norm_weight, p.eps, lora.A if lora else None, token_adapter,
+                                          self.quantized, x_amax=x_amax)
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        w, ws, b, bias = self.weight, self.weight_scale, lora.B if lora else None, self.bias
+
+        def cut(t: torch.Tensor | None, hi: bool, dim: int = 0) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.narrow(dim, split, t.shape[dim] - split) if hi else t.narrow(dim, 0, split)
+
+        self.ops.lora_gemm(h, h_scale, cut(w, True), cut(ws, True), s, cut(b, True, 1), token_adapter,
+                           cut(bias, True), None, x.dtype, out=y[:, split:])
+        y[rows, :split] = self.ops.lora_gemm(
+            _take(h, rows), _take(h_scale, rows), cut(w, False), cut(ws, False), _take(s, rows), cut(b, False, 1),
+            rows_adapter, cut(bias, False), None, x.dtype)
+        return y
+
     def _forward(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None,
                  x_amax: torch.Tensor | None, row_amax: bool, amax_weight: torch.Tensor | None):
         p, lora = self.prologue, self.lora
@@ -80,6 +106,13 @@ class DenseLoraLinear:
         return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, lora.B if lora else None,
                                   token_adapter, self.bias, residual, x.dtype, self.silu_out, row_amax=row_amax,
                                   amax_weight=amax_weight if row_amax else None)
+
+
+def _take(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """t[rows]; an FP8 tensor through its bytes, since index kernels do not cover float8 on every backend."""
+    if t is None:
+        return None
+    return t.view(torch.uint8)[rows].view(t.dtype) if t.dtype == torch.float8_e4m3fn else t[rows]
 
 
 class Fp8LoraLinear(DenseLoraLinear):

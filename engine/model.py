@@ -75,11 +75,17 @@ class Decoder:
         h_amax = None  # partial row maxima of |h * next norm weight|: see below
         tok_ad, last = batch.token_adapter, batch.last_idx
         for i, layer in enumerate(self.layers):
-            # The last layer only needs each sequence's last token past the K/V projections: exact pruning.
+            # The last layer only needs each sequence's last token past the K/V projections, q included: exact
+            # pruning (q there is W1's 3072 of 5120 qkv columns).
             last_only = i == len(self.layers) - 1
-            qkv = ops.rope_qk(layer.qkv(h, tok_ad, x_amax=h_amax), positions, cos, sin, shape, None, layer.k_norm,
-                              cfg.rms_eps, rotate_q=False)
-            if capture is not None:  # rotated keys: a cached prefix is read as keys at its own positions
+            if last_only:
+                qkv = layer.qkv.split_rows(h, tok_ad, cfg.heads * cfg.head_dim, last, batch.seq_adapter,
+                                           x_amax=h_amax)
+            else:
+                qkv = layer.qkv(h, tok_ad, x_amax=h_amax)
+            qkv = ops.rope_qk(qkv, positions, cos, sin, shape, None, layer.k_norm, cfg.rms_eps, rotate_q=False)
+            if capture is not None:  # a cached prefix is read as rotated keys at its own positions, never as
+                # queries (the last layer's q is set at last tokens only)
                 capture.append(qkv)
             pkv = PrefixKV(prefix.layers[i], *seq_pre) if prefix is not None else None
             # Every kernel that writes a projection's input also leaves its row maxima (times the next norm's

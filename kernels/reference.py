@@ -114,12 +114,16 @@ def amax_parts(y: torch.Tensor) -> torch.Tensor:
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
-              silu_out: bool = False, row_amax: bool = False, amax_weight: torch.Tensor | None = None
-              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              silu_out: bool = False, out: torch.Tensor | None = None, row_amax: bool = False,
+              amax_weight: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
     (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K].
     silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2].
+    out: written in place (a view, e.g. some columns of a wider tensor) and returned.
     row_amax: also return partial row maxima of |y| [P, M], of |y * amax_weight| when given (prologue's x_amax)."""
+    if out is not None:
+        return out.copy_(lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype,
+                                   silu_out))
     if row_amax:
         y = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out)
         return y, amax_parts(y if amax_weight is None else y.float() * amax_weight.float())
