@@ -19,8 +19,9 @@ from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
 
 GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75, 72, 96, 64, 128)]
-GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5), (513, 3072, 8192, 1, 64),
-                   (4099, 3072, 3072, 16, 8)]
+# rank 64 with 256-wide tiles (M = 2000, N = 3072): where the TMA-fed Triton kernel gave wrong rows (lora_gemm)
+GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5),
+                   (513, 3072, 8192, 1, 64), (2000, 3072, 1024, 64, 128), (4099, 3072, 3072, 16, 8)]
 # pointer-fed, TMA-fed, TMA-fed persistent (with fewer programs than tiles); TMA falls back to pointers
 # where a row stride is not 16-byte aligned (K=33, 45 in fp32)
 FEEDS = [{}, {"TMA": True}, {"TMA": True, "PERSISTENT": True}]
