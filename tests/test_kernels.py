@@ -19,7 +19,8 @@ from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
 
 GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75, 72, 96, 64, 128)]
-# rank 64 with 256-wide tiles (M = 2000, N = 3072): where the TMA-fed Triton kernel gave wrong rows (lora_gemm)
+# rank 64 with 128x256 tiles (M = 2000, N = 3072): where the Triton FP8 kernel's rows are wrong (KNOWN BUG in
+# kernels/lora_gemm.py; the GPU tests of this shape fail until it is fixed)
 GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5),
                    (513, 3072, 8192, 1, 64), (2000, 3072, 1024, 64, 128), (4099, 3072, 3072, 16, 8)]
 # pointer-fed, TMA-fed, TMA-fed persistent (with fewer programs than tiles); TMA falls back to pointers
@@ -161,11 +162,12 @@ def test_fp8_gemm_kernels_agree_bitwise(residual, bias, silu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_lora_gemm_rows_do_not_depend_on_batch(fp8):
-    """Batch invariance: rows computed inside a large batch (other tile shape) equal the same rows alone."""
+@pytest.mark.parametrize("fp8,r", [(False, 16), (True, 16), (True, 48)])
+def test_lora_gemm_rows_do_not_depend_on_batch(fp8, r):
+    """Batch invariance: rows computed inside a large batch (other tile shape and, in FP8, the Gluon kernel)
+    equal the same rows alone. At rank 48 (W1's qkv) the small calls take the pointer feed (lora_gemm)."""
     g = gen()
-    case, _ = gemm_case(8192, 3072, 3072, 16, 8, torch.bfloat16, fp8, True, False, g, "cuda")
+    case, _ = gemm_case(8192, 3072, 3072, r, 8, torch.bfloat16, fp8, True, False, g, "cuda")
     full = lora_gemm(**case, out_dtype=torch.bfloat16)
     for lo, hi in [(0, 1), (100, 400), (5000, 5013)]:
         part = {k: (v[lo:hi] if k in ("x", "x_scale", "s", "token_adapter", "residual") and v is not None else v)
