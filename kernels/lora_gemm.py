@@ -22,6 +22,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import sm_count, tma_ok
 
+# Stacked LoRA ranks at which this kernel's FP8 rows are wrong on the H200 (the KNOWN BUG in lora_gemm below):
+# engine.loader refuses FP8 policies that stack to one, rather than score them wrong.
+FP8_WRONG_RANKS = frozenset({64})
+
 try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
     from . import lora_gemm_ws
 except (ImportError, AttributeError):  # another Triton: the Triton kernel below takes every call
