@@ -78,9 +78,8 @@ class Decoder:
             # The last layer only needs each sequence's last token past the K/V projections, q included: exact
             # pruning (q there is W1's 3072 of 5120 qkv columns).
             last_only = i == len(self.layers) - 1
-            if last_only:
-                qkv = layer.qkv.split_rows(h, tok_ad, cfg.heads * cfg.head_dim, last, batch.seq_adapter,
-                                           x_amax=h_amax)
+            if last_only:  # each row's own adapter: a padded batch's empty sequences repeat a last index
+                qkv = layer.qkv.split_rows(h, tok_ad, cfg.heads * cfg.head_dim, last, tok_ad[last], x_amax=h_amax)
             else:
                 qkv = layer.qkv(h, tok_ad, x_amax=h_amax)
             qkv = ops.rope_qk(qkv, positions, cos, sin, shape, None, layer.k_norm, cfg.rms_eps, rotate_q=False)
