@@ -74,11 +74,11 @@ class DenseLoraLinear:
 
     def split_rows(self, x: torch.Tensor, token_adapter: torch.Tensor, split: int, rows: torch.Tensor,
                    rows_adapter: torch.Tensor, x_amax: torch.Tensor | None = None) -> torch.Tensor:
-        """y as __call__ gives it, but columns [:split] only at `rows` (whose adapters are rows_adapter: a row
-        named twice must come with the same adapter, or which one wins is unspecified); those columns of the
-        other rows are left unset. For the last layer's qkv: k and v are keys of every token,
-        q only queries at each sequence's last one. Every row the GEMMs compute is bitwise what the whole
-        product gives it (no output row depends on the batch: tests/test_invariance.py)."""
+        """y as __call__ gives it, but columns [:split] only at `rows` (whose adapters are rows_adapter; a row
+        named twice must come with the same adapter, or which write wins is unspecified); those columns of the
+        other rows are left unset. For the last layer's qkv: k and v are keys of every token, q only queries
+        at each sequence's last one. Every row the GEMMs compute is bitwise what the whole product gives it
+        (no output row depends on the batch: tests/test_invariance.py)."""
         if self.silu_out or not 0 < split < self.out_features:
             raise ValueError(f"split_rows needs a plain projection and 0 < split < {self.out_features}")
         p, lora = self.prologue, self.lora
