@@ -40,8 +40,8 @@ def build(root: Path, device: str) -> list[Path]:
         model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(root / "model")
     dirs = []
-    for i, (r, targets) in enumerate([(16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-                                      (1, ["q_proj", "v_proj"]), (8, ["o_proj", "down_proj", "up_proj"])]):
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for i, (r, targets) in enumerate([(16, every), (1, ["q_proj", "v_proj"]), (8, ["o_proj", "down_proj", "up_proj"])]):
         torch.manual_seed(10 + i)
         peft = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False))
         with torch.no_grad():

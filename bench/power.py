@@ -34,7 +34,8 @@ class PowerSampler:
 
     def __init__(self) -> None:
         self.ok = shutil.which("nvidia-smi") is not None and subprocess.run(
-            ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits"], capture_output=True).returncode == 0
+            ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits"],
+            capture_output=True).returncode == 0
         if self.ok:
             self.file = tempfile.NamedTemporaryFile("w+", suffix=".csv")
             self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",

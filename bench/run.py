@@ -199,7 +199,8 @@ def bench_gemm() -> list[dict]:
              (("fused", fused), ("scaled_mm", scaled), ("separate", separate))}
         tflops = 2 * M * N * K / (t["fused"] * 1e-3) / 1e12
         rows.append({"M": M, "N": N, "K": K, **{k + "_ms": v for k, v in t.items()}, "fused_tflops": tflops,
-                     "speedup_vs_separate": t["separate"] / t["fused"], "fused_over_scaled": t["fused"] / t["scaled_mm"]})
+                     "speedup_vs_separate": t["separate"] / t["fused"],
+                     "fused_over_scaled": t["fused"] / t["scaled_mm"]})
     return rows
 
 
@@ -213,7 +214,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-cache", action="store_true", help="also run W2 with prefixes recomputed")
     ap.add_argument("--profile", default=None, help="print per-kernel times for this workload")
-    ap.add_argument("--baseline-variants", action="store_true", help="also W1's baseline with PEFT's fp32 adapters, and at bs 64")
+    ap.add_argument("--baseline-variants", action="store_true",
+                    help="also W1's baseline with PEFT's fp32 adapters, and at bs 64")
     ap.add_argument("--graphs", default=None, help="W4 at this small budget, with and without CUDA graphs")
     ap.add_argument("--sustained", action="store_true",
                     help="also the sustained (power-capped) FP8 GEMM rates and each workload's share of that ceiling")
@@ -243,7 +245,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(res, indent=1))
     for row in res.get("gemm", []):
         print(f"gemm M={row['M']:>5} N={row['N']:>5} K={row['K']:>5}: fused {row['fused_ms']:.3f} ms "
-              f"({row['fused_tflops']:.0f} TF/s), scaled_mm {row['scaled_mm_ms']:.3f}, separate {row['separate_ms']:.3f}"
+              f"({row['fused_tflops']:.0f} TF/s), scaled_mm {row['scaled_mm_ms']:.3f}, "
+              f"separate {row['separate_ms']:.3f}"
               f" -> {row['speedup_vs_separate']:.2f}x vs separate, {row['fused_over_scaled']:.2f}x of bare")
     base = {b["baseline"]: b for b in res["baseline"]}
     w1 = next((e for e in res["engine"] if e["workload"] == "W1" and e["fp8"]), None)

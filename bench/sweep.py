@@ -106,7 +106,8 @@ def _gemm_configs(M: int, tiles: list[tuple[int, int, int, int, int]], residual:
         best = None
         for (bm, bn, nw, ns, gm), feed in itertools.product(tiles, feeds):
             cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, GROUP_M=gm, **feed)
-            run = lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16, silu_out=so, config=cfg)  # noqa: E731
+            run = lambda: lora_gemm(x8, xs, w8, ws, s, B, ad, None, res, torch.bfloat16,  # noqa: E731
+                                    silu_out=so, config=cfg)
             try:
                 same = torch.equal(run(), ref)
             except Exception as e:  # a config that does not compile (shared memory, registers, a pass) is skipped
@@ -288,7 +289,8 @@ def sweep_attention_lib() -> None:
     invariant = torch.equal(fa(q[r0:], k[r0:], v[r0:], cu2).reshape(T_ - r0, -1), lib[r0:])
     ours_invariant = torch.equal(varlen_attention(qkv[r0:].contiguous(), cu2, shape, 128 ** -0.5), ours[r0:])
     print(f"attention lib: ours {t_ours * 1e3:.0f} us ({fl / t_ours / 1e9:.0f} TF/s), FA2 varlen {t_fa * 1e3:.0f} us "
-          f"({fl / t_fa / 1e9:.0f} TF/s); max |diff| {diff:.2e}; batch-invariant: FA2 {invariant}, ours {ours_invariant}")
+          f"({fl / t_fa / 1e9:.0f} TF/s); max |diff| {diff:.2e}; "
+          f"batch-invariant: FA2 {invariant}, ours {ours_invariant}")
 
 
 if __name__ == "__main__":

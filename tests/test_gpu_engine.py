@@ -33,7 +33,8 @@ def test_gpu_engine_matches_reference_and_hf(tmp_path, arch):
     exact = hf_scores(tmp_path / "model", dirs, seqs, ads, LABELS, torch.float64)
     hf16 = hf_scores(tmp_path / "model", dirs, seqs, ads, LABELS, torch.bfloat16)
     cpu = decoder(tmp_path / "model", dirs, reference, "cpu", torch.float32).forward(batch).double()
-    bf16 = decoder(tmp_path / "model", dirs, triton_ops, "cuda", torch.bfloat16).forward(batch.to("cuda")).double().cpu()
+    bf16 = decoder(tmp_path / "model", dirs, triton_ops, "cuda", torch.bfloat16).forward(batch.to("cuda"))
+    bf16 = bf16.double().cpu()
     fp8 = decoder(tmp_path / "model", dirs, triton_ops, "cuda", torch.bfloat16, True, True).forward(
         batch.to("cuda")).double().cpu()
     cpu_fp8 = decoder(tmp_path / "model", dirs, reference, "cpu", torch.float32, fp8=True).forward(batch).double()

@@ -58,7 +58,8 @@ def test_pickle_only_checkpoint_is_refused(built, tmp_path):
 
 def test_missing_shard(built, tmp_path):
     d = copy(built, "model", tmp_path)
-    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00002-of-00002.safetensors"}}))
+    index = {"weight_map": {"a": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors, which is not in"):
         Checkpoint.open(d)
 
@@ -160,7 +161,8 @@ def test_batch_tokens_beyond_32bit_offsets_is_refused_at_load():
     sample = Path(__file__).resolve().parent.parent / "sample_data"
     widest = 352  # the sample model's intermediate size: wider than hidden (128) and qkv ((4 + 2 * 2) * 32)
     limit = (2**31 - 1) // widest
-    with pytest.raises(PolicyscanError, match=rf"--batch-tokens {limit + 1} is too large.*--batch-tokens {limit} or less"):
+    with pytest.raises(PolicyscanError,
+                       match=rf"--batch-tokens {limit + 1} is too large.*--batch-tokens {limit} or less"):
         Engine(sample / "model", load_policies([sample / "policies"]), EngineSettings("cpu", batch_tokens=limit + 1))
 
 

@@ -66,7 +66,8 @@ def _prefixed_case(device, shape, g):
     seq_pre = [i % len(prefixes) for i in range(len(own))]
     starts = torch.tensor([0] + prefixes).cumsum(0)[:-1]
     rows = torch.randn(sum(prefixes), width, generator=g).to(dtype).to(device)
-    prefix = PrefixKV(rows, starts[seq_pre].int().to(device), torch.tensor([prefixes[j] for j in seq_pre]).int().to(device))
+    prefix = PrefixKV(rows, starts[seq_pre].int().to(device),
+                      torch.tensor([prefixes[j] for j in seq_pre]).int().to(device))
     qkv = torch.randn(sum(own), width, generator=g).to(dtype).to(device)
     positions = torch.cat([torch.arange(n) + prefixes[j] for j, n in zip(seq_pre, own)]).to(device)
     return qkv, packed(own, device), prefix, positions
