@@ -106,7 +106,8 @@ def test_split_rows_is_the_whole_projection_at_those_rows(bundle, device, dtype,
     x = (torch.randn(T, cfg.hidden, generator=gen) * 3).to(device, dtype)
     # sorted by adapter as a batch is, with a stretch of rows under no adapter (-1)
     tok_ad = torch.sort(torch.randint(-1, len(LABELS), (T,), generator=gen)).values.to(device, torch.int32)
-    rows = torch.sort(torch.randperm(T, generator=gen)[:37]).values.to(device)
+    rows = torch.sort(torch.randperm(T, generator=gen)[:37]).values
+    rows = torch.cat([rows, rows[:3], torch.tensor([-1])]).to(device)  # repeats, as a padded batch's empty slots
     with torch.inference_mode():
         whole = qkv(x, tok_ad)
         split = qkv.split_rows(x, tok_ad, q_cols, rows, tok_ad[rows])
