@@ -1,6 +1,8 @@
 """Benchmarks on the GPU, HF + PEFT baseline in the same run (BENCH.md).
 
     python bench/run.py --workloads W1,W3,W4 --baseline W1,W4 --gemm --out $OUT/bench.json
+
+Where a pass's time goes, kernel by kernel against the roofline: bench/roofline.py (it replaced --profile).
 """
 from __future__ import annotations
 
@@ -90,24 +92,6 @@ def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, g
     return {"workload": label, "model": w.model, "tokens": tokens, "seconds": dt,
             "tok_s": tokens / dt, "fp8": fp8, "flops_per_token": 2 * params,
             "ceiling_tok_s": ceiling, "of_ceiling": tokens / dt / ceiling, "power": power}
-
-
-def profile_engine(name: str, budget: int) -> str:
-    """Per-kernel GPU time over one pass of the workload: where the time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    w = WORKLOADS[name]
-    cfg = shape(w.model)
-    dec = random_decoder(cfg, w.adapters, 16, triton_ops)
-    seqs, ads, prefixes = prompts(w, cfg.vocab)
-    run = engine_pass(dec, prefixes)
-    run(seqs, ads, budget)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(seqs, ads, budget)
-        torch.cuda.synchronize()
-    del dec, run
-    torch.cuda.empty_cache()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
 
 
 def bench_hf(name: str, bs: int = 32, bf16_adapters: bool = True) -> dict:
@@ -213,7 +197,6 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="also run W1 with bf16 weights")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-cache", action="store_true", help="also run W2 with prefixes recomputed")
-    ap.add_argument("--profile", default=None, help="print per-kernel times for this workload")
     ap.add_argument("--baseline-variants", action="store_true",
                     help="also W1's baseline with PEFT's fp32 adapters, and at bs 64")
     ap.add_argument("--graphs", default=None, help="W4 at this small budget, with and without CUDA graphs")
@@ -221,8 +204,6 @@ def main() -> None:
                     help="also the sustained (power-capped) FP8 GEMM rates and each workload's share of that ceiling")
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__}
-    if args.profile:
-        print(profile_engine(args.profile, args.budget))
     if args.gemm:
         res["gemm"] = bench_gemm()
     sampler = PowerSampler() if DEVICE == "cuda" else None

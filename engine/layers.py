@@ -81,11 +81,9 @@ class DenseLoraLinear:
         (no output row depends on the batch: tests/test_invariance.py)."""
         if self.silu_out or not 0 < split < self.out_features:
             raise ValueError(f"split_rows needs a plain projection and 0 < split < {self.out_features}")
-        p, lora = self.prologue, self.lora
-        h, h_scale, s = self.ops.prologue(x, p.norm_weight, p.eps, lora.A if lora else None, token_adapter,
-                                          self.quantized, x_amax=x_amax)
+        h, h_scale, s = self._prologue(x, token_adapter, x_amax)
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        w, ws, b, bias = self.weight, self.weight_scale, lora.B if lora else None, self.bias
+        w, ws, b, bias = self.weight, self.weight_scale, self.lora.B if self.lora else None, self.bias
 
         def cut(t: torch.Tensor | None, hi: bool, dim: int = 0) -> torch.Tensor | None:
             if t is None:
@@ -99,12 +97,15 @@ class DenseLoraLinear:
             rows_adapter, cut(bias, False), None, x.dtype)
         return y
 
+    def _prologue(self, x: torch.Tensor, token_adapter: torch.Tensor, x_amax: torch.Tensor | None):
+        p, lora = self.prologue, self.lora
+        return self.ops.prologue(x, p.norm_weight, p.eps, lora.A if lora else None, token_adapter, self.quantized,
+                                 x_amax=x_amax)
+
     def _forward(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None,
                  x_amax: torch.Tensor | None, row_amax: bool, amax_weight: torch.Tensor | None):
-        p, lora = self.prologue, self.lora
-        h, h_scale, s = self.ops.prologue(x, p.norm_weight, p.eps, lora.A if lora else None, token_adapter,
-                                          self.quantized, x_amax=x_amax)
-        return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, lora.B if lora else None,
+        h, h_scale, s = self._prologue(x, token_adapter, x_amax)
+        return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, self.lora.B if self.lora else None,
                                   token_adapter, self.bias, residual, x.dtype, self.silu_out, row_amax=row_amax,
                                   amax_weight=amax_weight if row_amax else None)
 

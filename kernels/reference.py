@@ -121,9 +121,11 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2].
     out: written in place (a view, e.g. some columns of a wider tensor) and returned.
     row_amax: also return partial row maxima of |y| [P, M], of |y * amax_weight| when given (prologue's x_amax)."""
-    if out is not None:
-        return out.copy_(lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype,
-                                   silu_out))
+    if out is not None:  # as the GPU launcher: out filled, and the row maxima too when asked for
+        res = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out,
+                        row_amax=row_amax, amax_weight=amax_weight)
+        out.copy_(res[0] if row_amax else res)
+        return (out, res[1]) if row_amax else out
     if row_amax:
         y = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out)
         return y, amax_parts(y if amax_weight is None else y.float() * amax_weight.float())
