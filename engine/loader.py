@@ -93,17 +93,10 @@ def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tu
     flat = sorted({i for pair in label_ids for i in pair})
     rows = dict(zip(flat, decoder.head_rows(flat)))
     decoder.head = torch.stack([rows[v] - rows[c] for c, v in label_ids]).to(decoder.device)
-    wrong = getattr(decoder.ops, "FP8_WRONG_RANKS", frozenset())  # a known bug of the GPU kernels
     for i, layer in enumerate(decoder.layers):
         for group, projs in GROUPS.items():
             lin: DenseLoraLinear = getattr(layer, group)
             stack = _stack(cfg, i, projs, policies, decoder.dtype, decoder.device)
-            if stack is not None and lin.quantized and stack.A.shape[1] in wrong:
-                names = [p.name for p in policies if any(p.lora.rank(i, proj) for proj in projs)]
-                raise PolicyError(f"the LoRA ranks of {', '.join(names)} on {' + '.join(projs)} (layer {i}) stack to "
-                                  f"{stack.A.shape[1]}, a rank at which the FP8 GPU kernels give wrong results (a "
-                                  f"known bug: kernels/lora_gemm.py); score these policies with --precision bf16, "
-                                  f"or on the CPU")
             lin.set_lora(stack)
 
 

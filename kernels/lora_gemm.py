@@ -22,10 +22,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import sm_count, tma_ok
 
-# Stacked LoRA ranks at which this kernel's FP8 rows are wrong on the H200 (the KNOWN BUG in lora_gemm below):
-# engine.loader refuses FP8 policies that stack to one, rather than score them wrong.
-FP8_WRONG_RANKS = frozenset({64})
-
 try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
     from . import lora_gemm_ws
 except (ImportError, AttributeError):  # another Triton: the Triton kernel below takes every call
@@ -64,7 +60,11 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         s = tl.load(s_ptr + rm[:, None] * stride_sm + rr[None, :], mask=m_ok[:, None] & (rr[None, :] < R), other=0.0)
         s = s.to(b_ptr.dtype.element_ty)
         # Rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows per adapter.
-        for a_id in range(lo, hi + 1):
+        # num_stages=1: Triton 3.6's software pipelining of this loop gave wrong rows at a stacked rank of 64 with
+        # 128x256 FP8 tiles (up to 7e3 off; runs 67-71); unpipelined it is right at ranks 1-64 in every feed and
+        # as fast where a tile holds one or two adapters (70.1 against 69.8 us at M = 2000, W1's qkv, run 72).
+        # Not a loop over the adapters present only, as the Gluon kernel: a while loop here cost 16% (80.8 us).
+        for a_id in tl.range(lo, hi + 1, num_stages=1):
             mine = ad == a_id
             bt = tl.load(b_ptr + a_id * stride_bn_a + rn[:, None] * stride_bn + rr[None, :],
                          mask=n_ok[:, None] & (rr[None, :] < R), other=0.0)
@@ -233,12 +233,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     amax = torch.empty((triton.cdiv(N, cfg["BN"]), M), dtype=torch.float32, device=x.device) if row_amax else None
     if M == 0:
         return (y, amax) if row_amax else y
-    # KNOWN BUG, OPEN (session 18, runs 67-70, bench/NOTES.md): at a stacked rank of exactly 64 with 128x256 FP8
-    # tiles this Triton kernel's rows are wrong on the H200 (Triton 3.6): the TMA feed by up to 7e3 against the
-    # fp64 twin, the pointer feed by 1.2 where tiles hold many adapters (0.02, right, where they hold one); the
-    # Gluon kernel is right there. Ranks above 32 take the pointer feed, the less wrong one; ranks 1-48 and 63
-    # are right in every feed, bitwise the same in each. tests/test_kernels.py's rank-64 GPU shape fails.
-    tma, persistent = cfg.pop("TMA", False) and tma_ok(x, W) and R <= 32, cfg.pop("PERSISTENT", False)
+    tma, persistent = cfg.pop("TMA", False) and tma_ok(x, W), cfg.pop("PERSISTENT", False)
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     dummy = y
     if tma:

@@ -22,8 +22,12 @@ def gen(seed=None) -> torch.Generator:
 
 
 def adapters_for(rows: int, n: int, g: torch.Generator, device) -> torch.Tensor:
-    """Sorted adapter ids with skewed popularity (Zipf-like) and a run of -1 (sequences with no adapter)."""
+    """Sorted adapter ids with skewed popularity (Zipf-like) and a run of -1 (sequences with no adapter); from 64
+    adapters on, a random half of them absent, as when a batch holds a few policies of a large stack (gaps of
+    ids between the adapters a tile holds)."""
     weights = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** 1.2
+    if n >= 64:
+        weights[torch.randperm(n, generator=g)[: n // 2]] = 0.0
     ids = torch.multinomial(weights, rows, replacement=True, generator=g)
     ids[torch.rand(rows, generator=g) < 0.1] = -1
     return ids.sort().values.to(torch.int32).to(device)

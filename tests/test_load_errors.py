@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_fixtures import SPECS, AdapterSpec, make_model, make_policy
+from hf_fixtures import SPECS, make_model, make_policy
 from policyscan.engine.checkpoint import Checkpoint, in_background
 from policyscan.engine.errors import CheckpointError, PolicyError
 from policyscan.engine.loader import attach_policies, load_decoder
@@ -21,7 +21,6 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("errs")
     model = make_model(root / "model", "llama")
     make_policy(model, root / "good", "good", SPECS[1], seed=1)
-    make_policy(model, root / "wide", "wide", AdapterSpec(32, ("gate_proj", "up_proj")), seed=3)  # gate_up: 64
     other = make_model(root / "other", "llama", hidden_size=64, num_attention_heads=4)
     make_policy(other, root / "foreign", "foreign", SPECS[1], seed=2)
     return root
@@ -170,20 +169,3 @@ def test_in_background_gives_the_value_or_raises_the_error():
     assert in_background(lambda: 7, "test").result(timeout=30) == 7
     with pytest.raises(CheckpointError, match="gone"):
         in_background(lambda: (_ for _ in ()).throw(CheckpointError("gone")), "test").result(timeout=30)
-
-
-def test_fp8_ranks_the_gpu_kernels_get_wrong_are_refused_at_load(built):
-    """Policies whose ranks stack to one of the GPU kernel set's FP8_WRONG_RANKS (a known bug) are refused
-    before anything is scored, naming them and the way out; in 16 bits, or with the CPU's kernels, they load."""
-    import types
-
-    gpu_like = types.ModuleType("gpu_like")  # the twins, plus the GPU kernel set's list of wrong ranks
-    gpu_like.__dict__.update(vars(reference))
-    gpu_like.FP8_WRONG_RANKS = frozenset({64})
-    pols = [load_policy(built / "good"), load_policy(built / "wide")]
-    ckpt = Checkpoint.open(built / "model")
-    with pytest.raises(PolicyError, match=r"good, wide on gate_proj \+ up_proj \(layer 0\) stack to 64.*"
-                                          r"--precision bf16"):
-        attach_policies(load_decoder(ckpt, gpu_like, fp8=True, w8a8=True), pols, [(1, 2), (1, 2)])
-    attach_policies(load_decoder(ckpt, gpu_like), pols, [(1, 2), (1, 2)])
-    attach_policies(load_decoder(ckpt, reference, fp8=True, w8a8=True), pols, [(1, 2), (1, 2)])
