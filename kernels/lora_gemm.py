@@ -39,6 +39,13 @@ def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _expand(acc, s, mine, b_ptr, rn, rr, n_ok, R, stride_bn, PREC: tl.constexpr):
+    """acc + s[mine rows] @ B_a.T for one adapter's B slice at b_ptr ([N, R], columns rn)."""
+    bt = tl.load(b_ptr + rn[:, None] * stride_bn + rr[None, :], mask=n_ok[:, None] & (rr[None, :] < R), other=0.0)
+    return tl.dot(tl.where(mine[:, None], s, 0.0).to(bt.dtype), tl.trans(bt), acc, input_precision=PREC)
+
+
+@triton.jit
 def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr,
               amax_w_ptr, stride_ym, stride_sm, stride_bn_a, stride_bn, stride_rm, pid_n,
               HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
@@ -60,15 +67,16 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         s = tl.load(s_ptr + rm[:, None] * stride_sm + rr[None, :], mask=m_ok[:, None] & (rr[None, :] < R), other=0.0)
         s = s.to(b_ptr.dtype.element_ty)
         # Rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows per adapter.
-        # num_stages=1: Triton 3.6's software pipelining of this loop gave wrong rows at a stacked rank of 64 with
-        # 128x256 FP8 tiles (up to 7e3 off; runs 67-71); unpipelined it is right at ranks 1-64 in every feed and
-        # as fast where a tile holds one or two adapters (70.1 against 69.8 us at M = 2000, W1's qkv, run 72).
-        # Not a loop over the adapters present only, as the Gluon kernel: a while loop here cost 16% (80.8 us).
-        for a_id in tl.range(lo, hi + 1, num_stages=1):
-            mine = ad == a_id
-            bt = tl.load(b_ptr + a_id * stride_bn_a + rn[:, None] * stride_bn + rr[None, :],
-                         mask=n_ok[:, None] & (rr[None, :] < R), other=0.0)
-            acc = tl.dot(tl.where(mine[:, None], s, 0.0).to(bt.dtype), tl.trans(bt), acc, input_precision=PREC)
+        # Ranks 33-64 (BR = 64): the adapter loop unpipelined. Triton 3.6's software pipelining of it gave wrong rows
+        # at a stacked rank of 64 with 128x256 FP8 tiles (up to 7e3 off; runs 67-71); unpipelined every feed is
+        # right at ranks 1-64, bitwise the Gluon kernel. Pipelined where it was right (BR <= 32, ranks 1-32): with
+        # 3-4 adapters a tile, unpipelined cost the M = 300 microbenchmark 1.22x -> 1.27x of bare _scaled_mm (run 73).
+        if BR >= 64:
+            for a_id in tl.range(lo, hi + 1, num_stages=1):
+                acc = _expand(acc, s, ad == a_id, b_ptr + a_id * stride_bn_a, rn, rr, n_ok, R, stride_bn, PREC)
+        else:
+            for a_id in range(lo, hi + 1):
+                acc = _expand(acc, s, ad == a_id, b_ptr + a_id * stride_bn_a, rn, rr, n_ok, R, stride_bn, PREC)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0)[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
