@@ -60,6 +60,13 @@ SPECS = [
     AdapterSpec(8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 32.0, True),
     AdapterSpec(5, ("k_proj", "o_proj", "down_proj", "up_proj"), 7.0),
 ]
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# ranks whose stacks pass 64: q + k + v = 64 + 32 + 32 = 128, gate + up = 64, o = 64, down = 64
+WIDE_SPECS = [
+    AdapterSpec(32, ALL, 64.0),
+    AdapterSpec(64, ("q_proj", "o_proj", "down_proj"), 32.0, True),
+    AdapterSpec(3, ("v_proj",)),
+]
 
 
 def make_policy(base_model, path: Path, name: str, spec: AdapterSpec, seed: int, compliant: int = 3,
@@ -81,11 +88,13 @@ def make_policy(base_model, path: Path, name: str, spec: AdapterSpec, seed: int,
         "name": name, "labels": {"compliant": f"<{compliant}>", "violation": f"<{violation}>"}}))
 
 
-def make_bundle(root: Path, arch: str, prefix: str = "p", seed: int = 0, **model_kw) -> list[Path]:
-    """root/model of `arch` and one policy per SPECS entry (root/<prefix>0 ...); returns the policy dirs."""
+def make_bundle(root: Path, arch: str, prefix: str = "p", seed: int = 0, specs: list[AdapterSpec] | None = None,
+                **model_kw) -> list[Path]:
+    """root/model of `arch` and one policy per spec (SPECS by default; root/<prefix>0 ...); returns the policy
+    dirs."""
     model = make_model(root / "model", arch, **model_kw)
     dirs = []
-    for i, spec in enumerate(SPECS):
+    for i, spec in enumerate(specs or SPECS):
         make_policy(model, root / f"{prefix}{i}", f"{prefix}{i}", spec, seed=seed + i)
         dirs.append(root / f"{prefix}{i}")
     return dirs

@@ -6,7 +6,7 @@ import zlib
 import pytest
 import torch
 
-from hf_fixtures import hf_scores, make_bundle
+from hf_fixtures import WIDE_SPECS, hf_scores, make_bundle
 from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
@@ -24,8 +24,9 @@ CASES = [("llama", False, None), ("llama", True, "60KB"), ("mistral", False, Non
          ("qwen3", False, "60KB")]
 
 
-def build(tmp_path, arch, tie, shard):
-    dirs = make_bundle(tmp_path, arch, "pol", 10, tie=tie, shard=shard)
+def build(tmp_path, arch, tie, shard, wide=False):
+    """wide: WIDE_SPECS' adapters, whose stacks pass rank 64 (qkv 128)."""
+    dirs = make_bundle(tmp_path, arch, "pol", 10, specs=WIDE_SPECS if wide else None, tie=tie, shard=shard)
     g = torch.Generator().manual_seed(zlib.crc32(f"{arch}{tie}".encode()))  # not hash(): salted per process
     seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in LENGTHS]
     return dirs, seqs
@@ -37,9 +38,9 @@ def engine_f(model_dir, dirs, seqs, dtype=torch.float32, fp8=False, adapters=ADA
     return dec.forward(pack(seqs, adapters)).double()
 
 
-@pytest.mark.parametrize("arch,tie,shard", CASES)
-def test_fp32_matches_hf(tmp_path, arch, tie, shard):
-    dirs, seqs = build(tmp_path, arch, tie, shard)
+@pytest.mark.parametrize("arch,tie,shard,wide", [case + (False,) for case in CASES] + [("llama", False, None, True)])
+def test_fp32_matches_hf(tmp_path, arch, tie, shard, wide):
+    dirs, seqs = build(tmp_path, arch, tie, shard, wide)
     if shard:
         assert (tmp_path / "model" / "model.safetensors.index.json").is_file()
     ours = engine_f(tmp_path / "model", dirs, seqs)

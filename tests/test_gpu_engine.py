@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fixtures import hf_scores, make_bundle
+from hf_fixtures import WIDE_SPECS, hf_scores, make_bundle
 from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
@@ -20,11 +20,13 @@ def decoder(model_dir, dirs, ops, device, dtype, fp8=False, w8a8=False):
     return dec
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama-wide"])
 def test_gpu_engine_matches_reference_and_hf(tmp_path, arch):
+    """llama-wide: WIDE_SPECS' adapters, whose stacks pass rank 64 (qkv 128), which the Gluon kernel does not take."""
     from policyscan.kernels import reference, triton_ops
 
-    dirs = make_bundle(tmp_path, arch)
+    arch, _, wide = arch.partition("-")
+    dirs = make_bundle(tmp_path, arch, specs=WIDE_SPECS if wide else None)
     g = torch.Generator().manual_seed(7)
     lengths = [1, 5, 17, 3, 40, 9, 2, 70, 33]
     seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in lengths]
