@@ -18,14 +18,15 @@ from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
 
-# ranks past 64 (BR = 128): r = 32 on q, k and v stacks to 96 in the qkv GEMM
+# ranks past 64 (BR = 128): r = 32 on q, k and v stacks to 96 in the qkv GEMM; on the GPU 128 exactly (B's loads
+# unmasked, as at rank 64 where pipelining went wrong) with 128x256 tiles, which the Gluon kernel does not take
 GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75, 72, 96, 64, 128),
                (29, 40, 48, 100, 6)]
 # rank 64 with 128x256 tiles (M = 2000, N = 3072): where Triton's pipelining of the expand's adapter loop made the
 # FP8 rows wrong (runs 67-71, kernels/lora_gemm.py)
 GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5),
                    (513, 3072, 8192, 1, 64), (2000, 3072, 1024, 64, 128), (4099, 3072, 3072, 16, 8),
-                   (3000, 5120, 1024, 96, 16)]
+                   (3000, 5120, 1024, 128, 16)]
 # pointer-fed, TMA-fed, TMA-fed persistent (with fewer programs than tiles); TMA falls back to pointers
 # where a row stride is not 16-byte aligned (K=33, 45 in fp32)
 FEEDS = [{}, {"TMA": True}, {"TMA": True, "PERSISTENT": True}]
