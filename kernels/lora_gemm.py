@@ -67,7 +67,7 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         s = tl.load(s_ptr + rm[:, None] * stride_sm + rr[None, :], mask=m_ok[:, None] & (rr[None, :] < R), other=0.0)
         s = s.to(b_ptr.dtype.element_ty)
         # Rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows per adapter.
-        # Ranks 33-64 (BR = 64): the adapter loop unpipelined. Triton 3.6's software pipelining of it gave wrong rows
+        # Ranks past 32 (BR >= 64): the adapter loop unpipelined. Triton 3.6's software pipelining of it gave wrong rows
         # at a stacked rank of 64 with 128x256 FP8 tiles (up to 7e3 off; runs 67-71); unpipelined every feed is
         # right at ranks 1-64, bitwise the Gluon kernel. Pipelined where it was right (BR <= 32, ranks 1-32): with
         # 3-4 adapters a tile, unpipelined cost the M = 300 microbenchmark 1.22x -> 1.27x of bare _scaled_mm (run 73).
