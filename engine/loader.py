@@ -96,8 +96,7 @@ def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tu
     for i, layer in enumerate(decoder.layers):
         for group, projs in GROUPS.items():
             lin: DenseLoraLinear = getattr(layer, group)
-            stack = _stack(cfg, i, projs, policies, decoder.dtype, decoder.device)
-            lin.set_lora(stack)
+            lin.set_lora(_stack(cfg, i, projs, policies, decoder.dtype, decoder.device))
 
 
 def _stack(cfg: ModelConfig, layer: int, projs: tuple[str, ...], policies: list[Policy],

@@ -55,12 +55,12 @@ class AdapterSpec:
     rslora: bool = False
 
 
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SPECS = [
     AdapterSpec(1, ("q_proj", "v_proj")),
-    AdapterSpec(8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 32.0, True),
+    AdapterSpec(8, ALL, 32.0, True),
     AdapterSpec(5, ("k_proj", "o_proj", "down_proj", "up_proj"), 7.0),
 ]
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # ranks whose stacks pass 64: q + k + v = 64 + 32 + 32 = 128, gate + up = 64, o = 64, down = 64
 WIDE_SPECS = [
     AdapterSpec(32, ALL, 64.0),

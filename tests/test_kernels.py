@@ -18,12 +18,12 @@ from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
 
-# ranks past 64 (BR = 128): r = 32 on q, k and v stacks to 96 in the qkv GEMM; on the GPU 128 exactly (B's loads
-# unmasked, as at rank 64 where pipelining went wrong) with 128x256 tiles, which the Gluon kernel does not take
+# the last: a rank past 64 (BR = 128), as r = 32 on q, k and v stacks to 96 in the qkv GEMM
 GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75, 72, 96, 64, 128),
                (29, 40, 48, 100, 6)]
 # rank 64 with 128x256 tiles (M = 2000, N = 3072): where Triton's pipelining of the expand's adapter loop made the
-# FP8 rows wrong (runs 67-71, kernels/lora_gemm.py)
+# FP8 rows wrong (runs 67-71, kernels/lora_gemm.py); rank 128 with them (M = 3000), whose B loads are unmasked as
+# at 64, past what the Gluon kernel takes
 GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5),
                    (513, 3072, 8192, 1, 64), (2000, 3072, 1024, 64, 128), (4099, 3072, 3072, 16, 8),
                    (3000, 5120, 1024, 128, 16)]
@@ -169,7 +169,7 @@ def test_fp8_gemm_kernels_agree_bitwise(residual, bias, silu):
 @pytest.mark.parametrize("fp8,r", [(False, 16), (True, 16), (True, 48)])
 def test_lora_gemm_rows_do_not_depend_on_batch(fp8, r):
     """Batch invariance: rows computed inside a large batch (other tile shape and, in FP8, the Gluon kernel)
-    equal the same rows alone. At rank 48 (W1's qkv) the small calls take the pointer feed (lora_gemm)."""
+    equal the same rows alone. At rank 48 (W1's qkv) the small calls' adapter loop is unpipelined (lora_gemm)."""
     g = gen()
     case, _ = gemm_case(8192, 3072, 3072, r, 8, torch.bfloat16, fp8, True, False, g, "cuda")
     full = lora_gemm(**case, out_dtype=torch.bfloat16)
