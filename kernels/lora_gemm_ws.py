@@ -12,7 +12,9 @@ shared-memory stages by TMA, and two consumer warpgroups take alternate tiles, t
 while one runs a tile's MMAs, the other runs the previous tile's epilogue. Each consumer owns a 128x128 fp32
 accumulator (128 registers a thread), which is why tiles are 128x128. The residual arrives by TMA during the
 mainloop and the output leaves by TMA ([128, 128] tiles of pointers in registers spilled: 744-904 bytes of
-stack a thread). The expand is one bf16 MMA per adapter in the tile, B's slice staged in shared memory.
+stack a thread). The expand is one bf16 MMA per adapter in the tile, B's slice staged in shared memory;
+stacked ranks past 64 go in 64-rank pieces through the same slice buffer (run 75, M = 3000: rank 192 with
+128 adapters 162 against the Triton kernel's 587 us; 16k rows at rank 128, 550 against 650; bitwise equal).
 Measured (bench/sweep.py gemm_ws, run 22; 16k rows, qkv / o / gate_up / down): W1's shapes 434 / 277 /
 1373 / 696 us against the Triton kernel's 466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693;
 4 stages (5 do not fit beside the output tiles; at gate_up, where they do, 1432 us).
@@ -91,6 +93,7 @@ def _consume(args, flags, ROLE: gl.constexpr):
     NUM_PROGS: gl.constexpr = flags[5]
     AMAX: gl.constexpr = flags[6]
     AMAX_W: gl.constexpr = flags[7]
+    WIDE: gl.constexpr = flags[8]
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -146,8 +149,9 @@ def _consume(args, flags, ROLE: gl.constexpr):
             sm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
             sr = gl.arange(0, BR, layout=gl.SliceLayout(0, s_layout))
             ad_s = gl.load(ad_ptr + sm, mask=sm < M, other=-1)
-            sv = gl.load(s_ptr + sm[:, None] * stride_sm + sr[None, :], mask=(sm < M)[:, None] & (sr < R)[None, :],
-                         other=0.0)
+            if not WIDE:
+                sv = gl.load(s_ptr + sm[:, None] * stride_sm + sr[None, :],
+                             mask=(sm < M)[:, None] & (sr < R)[None, :], other=0.0)
             bn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, b_layout))
             br = gl.arange(0, BR, layout=gl.SliceLayout(0, b_layout))
             lo = gl.min(gl.where(ad_s >= 0, ad_s, 2147483647), axis=0)
@@ -158,12 +162,24 @@ def _consume(args, flags, ROLE: gl.constexpr):
             # rows) when each id from lo to hi was visited; no change with W1's 8 (457.5 against 461.2 us, run 72)
             a_id = lo
             while a_id <= hi:
-                bt = gl.load(b_ptr + a_id * stride_bn_a + bn[:, None] * stride_bn + br[None, :],
-                             mask=(bn < N)[:, None] & (br < R)[None, :], other=0.0)
-                l_smem.store(bt)
-                fence_async_shared()
-                a_op = gl.where((ad_s == a_id)[:, None], sv, 0.0).to(b_ptr.dtype.element_ty)
-                acc = warpgroup_mma(a_op, l_smem.permute((1, 0)), acc)
+                if WIDE:  # ranks past 64 in 64-rank pieces through the one B slice buffer: the same k16 MMAs in
+                    # the same order as one wide MMA, so the rows stay bitwise the Triton kernel's (run 75)
+                    for r0 in range(0, R, BR):
+                        sv = gl.load(s_ptr + sm[:, None] * stride_sm + (r0 + sr)[None, :],
+                                     mask=(sm < M)[:, None] & ((r0 + sr) < R)[None, :], other=0.0)
+                        bt = gl.load(b_ptr + a_id * stride_bn_a + bn[:, None] * stride_bn + (r0 + br)[None, :],
+                                     mask=(bn < N)[:, None] & ((r0 + br) < R)[None, :], other=0.0)
+                        l_smem.store(bt)
+                        fence_async_shared()
+                        a_op = gl.where((ad_s == a_id)[:, None], sv, 0.0).to(b_ptr.dtype.element_ty)
+                        acc = warpgroup_mma(a_op, l_smem.permute((1, 0)), acc)
+                else:
+                    bt = gl.load(b_ptr + a_id * stride_bn_a + bn[:, None] * stride_bn + br[None, :],
+                                 mask=(bn < N)[:, None] & (br < R)[None, :], other=0.0)
+                    l_smem.store(bt)
+                    fence_async_shared()
+                    a_op = gl.where((ad_s == a_id)[:, None], sv, 0.0).to(b_ptr.dtype.element_ty)
+                    acc = warpgroup_mma(a_op, l_smem.permute((1, 0)), acc)
                 a_id = gl.min(gl.where(ad_s > a_id, ad_s, 2147483647), axis=0)
         if HAS_BIAS:
             acc += gl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(gl.float32)[None, :]
@@ -213,8 +229,9 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     # per consumer: its output tile (the residual lands there first) and its adapter's B slice
     c_bufs = gl.allocate_shared_memory(y_desc.dtype, [2] + y_desc.block_type.shape, y_desc.layout)
-    l_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BR], gl.bfloat16)
-    l_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BR], l_layout)
+    BRC: gl.constexpr = 64 if BR > 64 else BR
+    l_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BRC], gl.bfloat16)
+    l_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BRC], l_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -232,19 +249,20 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
     # 12 warps in all (the loader's warp rounds up to a warpgroup): 232 registers for each consumer and
     # 40 for the loader fill the 64K register file at maxnreg=168 (CUTLASS's ping-pong split).
     gl.warp_specialize([
-        (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W))),
-        (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W))),
-        (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W))),
+        (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64))),
+        (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64))),
+        (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64))),
     ], [4, 1], [232, 40])
 
 
 def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Tensor | None,
            B: torch.Tensor | None) -> bool:
-    """Whether lora_gemm_ws takes this call: FP8 in, bf16 out on a Hopper GPU, TMA-able operands, ranks up to 64
-    (with 64 ranks the B slices take shared memory to ~230,000 of the 232,448 bytes a block may have)."""
+    """Whether lora_gemm_ws takes this call: FP8 in, bf16 out on a Hopper GPU, TMA-able operands, bf16 B of any
+    rank (past 64 the expand goes in 64-rank pieces: a [128, 64] B slice per consumer is what fits beside the
+    stages and output tiles, ~230,000 of the 232,448 bytes of shared memory a block may have)."""
     return (x.is_cuda and x.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(x.device)[0] == 9
             and y.dtype == torch.bfloat16 and (residual is None or residual.dtype == torch.bfloat16)
-            and (B is None or (B.dtype == torch.bfloat16 and B.shape[2] <= 64))
+            and (B is None or B.dtype == torch.bfloat16)
             and tma_ok(*(t for t in (x, W, y, residual) if t is not None)))
 
 
@@ -264,7 +282,7 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
         raise ValueError(f"amax must be a contiguous fp32 [{triton.cdiv(N, BN)}, {M}]")
     if not usable(x, W, y, residual, B) or x_scale is None or w_scale is None:
         raise ValueError("lora_gemm_ws takes FP8 x and W with row scales on a Hopper GPU, TMA-aligned rows, "
-                         "bf16 B of rank <= 64; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
+                         "bf16 B; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
     xd = TensorDescriptor.from_tensor(x, [BM, BK], smem_layout(BM, BK, True))
     wd = TensorDescriptor.from_tensor(W, [BN, BK], smem_layout(BN, BK, True))
     y_block = [BM, BN // 2 if silu_out else BN]

@@ -193,6 +193,11 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     else:
         cfg = dict(BM=32, BK=256, num_warps=4, ONE_AD=False)
     cfg["BK"] = min(cfg["BK"], max(16, triton.next_power_of_2(K)))
+    BR = max(16, triton.next_power_of_2(max(R, 1)))
+    # Stacked ranks past 64: the stages' x and A chunks must fit shared memory (quantizing without a norm at
+    # rank 96 asked for 262,144 of 232,448 bytes, run 75); 200 KiB keeps every config measured at ranks <= 64
+    while not interpret and cfg.get("num_stages", 3) * (BR + cfg["BM"]) * cfg["BK"] * x.element_size() > 200 << 10:
+        cfg["BK"] //= 2
     cfg.update(config or {})
     BM, BK = cfg["BM"], cfg["BK"]
     dummy = h
@@ -203,7 +208,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0, x_amax.stride(0) if use_amax else 0,
         NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None, HAS_AMAX=use_amax,
         ONE_AD=cfg["ONE_AD"] and A is not None,
-        BM=BM, BK=BK, BR=max(16, triton.next_power_of_2(max(R, 1))), BP=16,
+        BM=BM, BK=BK, BR=BR, BP=16,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3))
     return h, hs, s

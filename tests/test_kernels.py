@@ -22,11 +22,11 @@ from policyscan.kernels.prologue import prologue  # noqa: E402
 GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75, 72, 96, 64, 128),
                (29, 40, 48, 100, 6)]
 # rank 64 with 128x256 tiles (M = 2000, N = 3072): where Triton's pipelining of the expand's adapter loop made the
-# FP8 rows wrong (runs 67-71, kernels/lora_gemm.py); rank 128 with them (M = 3000), whose B loads are unmasked as
-# at 64, past what the Gluon kernel takes
+# FP8 rows wrong (runs 67-71, kernels/lora_gemm.py); past 64, the Gluon kernel's expand in 64-rank pieces
+# (M = 3000: rank 128 unmasked as at 64, rank 192 with 128 adapters) and Triton's at BR = 128 (M = 1500)
 GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5),
                    (513, 3072, 8192, 1, 64), (2000, 3072, 1024, 64, 128), (4099, 3072, 3072, 16, 8),
-                   (3000, 5120, 1024, 128, 16)]
+                   (3000, 5120, 1024, 128, 16), (3000, 3072, 1024, 192, 128), (1500, 3072, 1024, 96, 16)]
 # pointer-fed, TMA-fed, TMA-fed persistent (with fewer programs than tiles); TMA falls back to pointers
 # where a row stride is not 16-byte aligned (K=33, 45 in fp32)
 FEEDS = [{}, {"TMA": True}, {"TMA": True, "PERSISTENT": True}]
@@ -74,7 +74,8 @@ def test_lora_gemm_without_lora_and_all_rows_without_adapter(device):
 def test_prologue(device, kind):
     g = gen()
     shapes = [(37, 70, 1, 3), (64, 96, 16, 9), (1, 33, 5, 1), (50, 48, 64, 128), (20, 40, 100, 5)] \
-        if device == "cpu" else [(300, 3072, 16, 8), (1000, 8192, 48, 128), (5, 3072, 1, 1), (700, 3072, 96, 16)]
+        if device == "cpu" else [(300, 3072, 16, 8), (1000, 8192, 48, 128), (5, 3072, 1, 1), (700, 3072, 96, 16),
+                                 (300, 2048, 200, 8)]
     for M, K, r, n_ad in shapes:
         for dtype, quant in variants(device) if device == "cuda" else [(torch.float32, False)]:
             x = (torch.randn(M, K, generator=g) * 2).to(dtype).to(device)
@@ -155,7 +156,7 @@ def test_fp8_gemm_kernels_agree_bitwise(residual, bias, silu):
     batch size changes a row."""
     from policyscan.kernels import lora_gemm_ws
     g = gen()
-    for M, N, K, r, n_ad in (shape for shape in GPU_GEMM_SHAPES if shape[3] <= 64):  # Gluon takes ranks <= 64
+    for M, N, K, r, n_ad in GPU_GEMM_SHAPES:
         N += N % 2 if silu else 0
         case, _ = gemm_case(M, N, K, r, n_ad, torch.bfloat16, True, residual, bias, g, "cuda")
         ws_ = torch.full((M, N // 2 if silu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
