@@ -22,7 +22,7 @@ def decoder(model_dir, dirs, ops, device, dtype, fp8=False, w8a8=False):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama-wide"])
 def test_gpu_engine_matches_reference_and_hf(tmp_path, arch):
-    """llama-wide: WIDE_SPECS' adapters, whose stacks pass rank 64 (qkv 128), which the Gluon kernel does not take."""
+    """llama-wide: WIDE_SPECS' adapters, whose stacks pass rank 64 (qkv 128)."""
     from policyscan.kernels import reference, triton_ops
 
     arch, _, wide = arch.partition("-")
