@@ -27,6 +27,9 @@ try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hop
 except (ImportError, AttributeError):  # another Triton: the Triton kernel below takes every call
     lora_gemm_ws = None
 
+# FP8 batches of this many rows or more take the Gluon kernel on Hopper (measured crossover, see lora_gemm)
+WS_MIN_ROWS = 1025
+
 
 @triton.jit
 def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
@@ -195,9 +198,9 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     next RMSNorm's weight) — which the next FP8 prologue reads instead of sweeping y for its scale
     (prologue's x_amax).
 
-    FP8 batches of more than 2048 rows on a Hopper GPU go to the warp-specialized Gluon kernel
-    (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes (bench/sweep.py gemm_ws,
-    run 22). Both give bitwise the same rows (every case checked there, and
+    FP8 batches of WS_MIN_ROWS rows or more on a Hopper GPU go to the warp-specialized Gluon kernel
+    (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes at 16k rows
+    (bench/sweep.py gemm_ws, run 22). Both give bitwise the same rows (every case checked there, and
     tests/test_kernels.py::test_fp8_gemm_kernels_agree_bitwise), so the choice by M keeps batch invariance.
     Stacked ranks over 64 (r = 32 on q, k and v is 96) take the Gluon kernel too, whose expand goes in 64-rank
     pieces: the Triton kernel's 128x256 tiles spill at BR = 128 (2.7 KB a thread compiled for sm_90a, against
@@ -232,8 +235,10 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         raise ValueError(f"out must be [{M}, {n_out}] {out_dtype} with a contiguous last dimension")
     y = out if out is not None else torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     # Small batches stay on the Triton kernel: at M = 300 its 13 us beat the ping-pong's 14 us (72 tiles of
-    # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm, runs 9 and 25).
-    if (not config and M > 2048 and lora_gemm_ws is not None and x_scale is not None
+    # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm, runs 9 and 25), and below
+    # ~1000 rows it wins at every rank (run 81). Past 1024 rows the Gluon kernel is ahead: a W1 layer's four
+    # GEMMs 1.02x at 1280 rows, 1.11-1.13x at 1536-2048; W4's 1.01x, 1.02-1.08x (run 82; at 768, 0.94x / 1.01x).
+    if (not config and M >= WS_MIN_ROWS and lora_gemm_ws is not None and x_scale is not None
             and lora_gemm_ws.usable(x, W, y, residual, B)):
         amax = torch.empty((triton.cdiv(N, lora_gemm_ws.BN), M), dtype=torch.float32, device=x.device) \
             if row_amax else None

@@ -98,7 +98,7 @@ def test_prefix_cache_is_bitwise_recompute(device, precision):
 def test_split_rows_is_the_whole_projection_at_those_rows(bundle, device, dtype, fp8):
     """The last layer's qkv computes q at last tokens only (split_rows): those rows' q and every row's k, v are
     bitwise what the whole projection gives. 2500 rows: on the GPU the k/v GEMM takes the warp-specialized
-    FP8 kernel (> 2048 rows) and the q GEMM of the few picked rows the Triton one."""
+    FP8 kernel (> 1024 rows) and the q GEMM of the few picked rows the Triton one."""
     dec = decoder(bundle, device, dtype, fp8)
     qkv, cfg = dec.layers[-1].qkv, dec.cfg
     T, q_cols = 2500, cfg.heads * cfg.head_dim

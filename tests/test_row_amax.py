@@ -23,7 +23,7 @@ def row_max(y: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("silu", [False, True])
 def test_lora_gemm_row_amax(device, silu):
     """Every kernel and tile shape: the Triton kernel (small M, and every shape on the CPU) and on the GPU the
-    warp-specialized one (M > 2048); odd N leaves a tile's columns past the end, which must not count."""
+    warp-specialized one (M > 1024); odd N leaves a tile's columns past the end, which must not count."""
     g = gen()
     shapes = [(37, 46, 70, 1, 3), (130, 98, 200, 16, 9)] if device == "cpu" else \
         [(300, 3074, 3072, 16, 8), (4099, 16384, 3072, 16, 8), (2500, 1030, 512, 7, 5)]
