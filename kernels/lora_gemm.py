@@ -202,7 +202,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes at 16k rows
     (bench/sweep.py gemm_ws, run 22). Both give bitwise the same rows (every case checked there, and
     tests/test_kernels.py::test_fp8_gemm_kernels_agree_bitwise), so the choice by M keeps batch invariance.
-    Stacked ranks over 64 (r = 32 on q, k and v is 96) take the Gluon kernel too, whose expand goes in 64-rank
+    Stacked ranks over 64 (r = 32 on q, k and v is 96) take the Gluon kernel at the same M, its expand in 64-rank
     pieces: the Triton kernel's 128x256 tiles spill at BR = 128 (2.7 KB a thread compiled for sm_90a, against
     1.0 KB at 64) and ran rank 192 with 128 adapters at 587 against the Gluon kernel's 162 us (M = 3000, run 75)."""
     M, K = x.shape
@@ -235,8 +235,8 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         raise ValueError(f"out must be [{M}, {n_out}] {out_dtype} with a contiguous last dimension")
     y = out if out is not None else torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     # Small batches stay on the Triton kernel: at M = 300 its 13 us beat the ping-pong's 14 us (72 tiles of
-    # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm, runs 9 and 25), and below
-    # ~1000 rows it wins at every rank (run 81). Past 1024 rows the Gluon kernel is ahead: a W1 layer's four
+    # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm, runs 9 and 25), and at
+    # 64-300 rows it wins at every rank, 1.04-1.85x, spilling or not (run 81). Past 1024 rows the Gluon kernel is ahead: a W1 layer's four
     # GEMMs 1.02x at 1280 rows, 1.11-1.13x at 1536-2048; W4's 1.01x, 1.02-1.08x (run 82; at 768, 0.94x / 1.01x).
     if (not config and M >= WS_MIN_ROWS and lora_gemm_ws is not None and x_scale is not None
             and lora_gemm_ws.usable(x, W, y, residual, B)):
