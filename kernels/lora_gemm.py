@@ -236,8 +236,9 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     y = out if out is not None else torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     # Small batches stay on the Triton kernel: at M = 300 its 13 us beat the ping-pong's 14 us (72 tiles of
     # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm, runs 9 and 25), and at
-    # 64-300 rows it wins at every rank, 1.04-1.85x, spilling or not (run 81). Past 1024 rows the Gluon kernel is ahead: a W1 layer's four
-    # GEMMs 1.02x at 1280 rows, 1.11-1.13x at 1536-2048; W4's 1.01x, 1.02-1.08x (run 82; at 768, 0.94x / 1.01x).
+    # 64-300 rows it wins at every rank, 1.04-1.85x, spilling or not (run 81). Past 1024 rows the Gluon kernel
+    # is ahead: a W1 layer's four GEMMs 1.02x at 1280 rows, 1.11-1.13x at 1536-2048; W4's 1.01x, 1.02-1.08x
+    # (run 82; at 768, 0.94x / 1.01x).
     if (not config and M >= WS_MIN_ROWS and lora_gemm_ws is not None and x_scale is not None
             and lora_gemm_ws.usable(x, W, y, residual, B)):
         amax = torch.empty((triton.cdiv(N, lora_gemm_ws.BN), M), dtype=torch.float32, device=x.device) \
