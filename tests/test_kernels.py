@@ -23,7 +23,8 @@ GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75
                (29, 40, 48, 100, 6)]
 # rank 64 with 128x256 tiles (M = 2000, N = 3072): where Triton's pipelining of the expand's adapter loop made the
 # FP8 rows wrong (runs 67-71, kernels/lora_gemm.py); past 64, the Gluon kernel's expand in 64-rank pieces
-# (M = 3000: rank 128 unmasked as at 64, rank 192 with 128 adapters) and Triton's at BR = 128 (M = 1500)
+# (M = 3000: rank 128 unmasked as at 64, rank 192 with 128 adapters) and Triton's at BR = 128 (M = 1500; from 1025
+# rows the default takes the Gluon kernel, so the Triton kernel is reached there through the explicit feeds)
 GPU_GEMM_SHAPES = [(300, 3072, 3072, 16, 8), (1000, 5120, 3072, 48, 128), (77, 8192, 3072, 7, 5),
                    (513, 3072, 8192, 1, 64), (2000, 3072, 1024, 64, 128), (4099, 3072, 3072, 16, 8),
                    (3000, 5120, 1024, 128, 16), (3000, 3072, 1024, 192, 128), (1500, 3072, 1024, 96, 16)]
