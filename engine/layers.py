@@ -11,6 +11,7 @@ from types import ModuleType
 import torch
 
 from ..kernels.reference import interleave_halves
+from ..kernels.spans import RankSpans, rank_spans
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,16 @@ class DenseLoraLinear:
                  silu_out: bool = False):
         self.weight, self.bias, self.prologue, self.ops, self.silu_out = weight, bias, prologue, ops, silu_out
         self.lora: LoraStack | None = None
+        self.spans: RankSpans | None = None
 
     def set_lora(self, stack: LoraStack | None) -> None:
-        """Attach all adapters' factors, B in the projection's natural row order."""
+        """Attach all adapters' factors, B in the projection's natural row order. The ranks stack per group
+        (q, k and v: 3 x 16 at W1) with B block diagonal, so each column block's span of ranks is kept for
+        the GEMM's expand (kernels/spans.py)."""
         if stack is not None and self.silu_out:
             stack = LoraStack(stack.A, interleave_halves(stack.B, dim=1).contiguous())
         self.lora = stack
+        self.spans = rank_spans(stack.B) if stack is not None else None
 
     @property
     def out_features(self) -> int:
@@ -90,11 +95,13 @@ class DenseLoraLinear:
                 return None
             return t.narrow(dim, split, t.shape[dim] - split) if hi else t.narrow(dim, 0, split)
 
+        spans = self.spans
         self.ops.lora_gemm(h, h_scale, cut(w, True), cut(ws, True), s, cut(b, True, 1), token_adapter,
-                           cut(bias, True), None, x.dtype, out=y[:, split:])
+                           cut(bias, True), None, x.dtype, out=y[:, split:],
+                           spans=spans.narrow(split, self.out_features - split) if spans else None)
         y[rows, :split] = self.ops.lora_gemm(
             _take(h, rows), _take(h_scale, rows), cut(w, False), cut(ws, False), _take(s, rows), cut(b, False, 1),
-            rows_adapter, cut(bias, False), None, x.dtype)
+            rows_adapter, cut(bias, False), None, x.dtype, spans=spans.narrow(0, split) if spans else None)
         return y
 
     def _prologue(self, x: torch.Tensor, token_adapter: torch.Tensor, x_amax: torch.Tensor | None):
@@ -107,7 +114,7 @@ class DenseLoraLinear:
         h, h_scale, s = self._prologue(x, token_adapter, x_amax)
         return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, self.lora.B if self.lora else None,
                                   token_adapter, self.bias, residual, x.dtype, self.silu_out, row_amax=row_amax,
-                                  amax_weight=amax_weight if row_amax else None)
+                                  amax_weight=amax_weight if row_amax else None, spans=self.spans)
 
 
 def _take(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import sm_count, tma_ok
+from .spans import RankSpans
 
 try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
     from . import lora_gemm_ws
@@ -190,13 +191,15 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
               silu_out: bool = False, out: torch.Tensor | None = None, config: dict | None = None,
-              row_amax: bool = False, amax_weight: torch.Tensor | None = None
+              row_amax: bool = False, amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.lora_gemm. x [M, K], W [N, K], B [n, N, R]; `out` is written
     in place when given; `config` overrides the tile choice of the Triton kernel (bench/sweep.py).
     row_amax: also return each tile's row maxima of |y| [N tiles, M] — of |y * amax_weight| when given (the
     next RMSNorm's weight) — which the next FP8 prologue reads instead of sweeping y for its scale
-    (prologue's x_amax).
+    (prologue's x_amax). spans: where B can be nonzero (kernels.spans.rank_spans(B)); the Gluon kernel then
+    expands each tile through its span only, the same rows (the Triton kernel, whose small batches the
+    expand costs little, takes every rank).
 
     FP8 batches of WS_MIN_ROWS rows or more on a Hopper GPU go to the warp-specialized Gluon kernel
     (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes at 16k rows
@@ -244,7 +247,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         amax = torch.empty((triton.cdiv(N, lora_gemm_ws.BN), M), dtype=torch.float32, device=x.device) \
             if row_amax else None
         lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out,
-                                  amax=amax, amax_weight=amax_weight)
+                                  amax=amax, amax_weight=amax_weight, spans=spans)
         return (y, amax) if row_amax else y
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
     amax = torch.empty((triton.cdiv(N, cfg["BN"]), M), dtype=torch.float32, device=x.device) if row_amax else None

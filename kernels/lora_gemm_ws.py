@@ -37,6 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gluon_hopper import smem_layout, tma_load, tma_store
 from .launch import sm_count, tma_ok
+from .spans import RankSpans
 
 # 4 stages of 32 KB + two 32 KB output tiles + two B slices: 200 KB of the 227 KB of shared memory
 BM, BN, BK, STAGES = 128, 128, 128, 4
@@ -57,8 +58,8 @@ def _tile(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr)
 def _load(args, flags):
     """Loader warp: x and W tiles of every tile of this program, in order, into the stage ring."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, M, N, K, R, stride_sm, stride_bn_a,
-     stride_bn) = args
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, M, N, K, R, stride_sm,
+     stride_bn_a, stride_bn) = args
     GROUP_M: gl.constexpr = flags[4]
     NUM_PROGS: gl.constexpr = flags[5]
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -83,8 +84,8 @@ def _load(args, flags):
 def _consume(args, flags, ROLE: gl.constexpr):
     """Consumer warpgroup ROLE: the MMAs and the epilogue of this program's tiles ROLE, ROLE + 2, ..."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, M, N, K, R, stride_sm, stride_bn_a,
-     stride_bn) = args
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, M, N, K, R, stride_sm,
+     stride_bn_a, stride_bn) = args
     HAS_LORA: gl.constexpr = flags[0]
     HAS_BIAS: gl.constexpr = flags[1]
     HAS_RES: gl.constexpr = flags[2]
@@ -94,6 +95,8 @@ def _consume(args, flags, ROLE: gl.constexpr):
     AMAX: gl.constexpr = flags[6]
     AMAX_W: gl.constexpr = flags[7]
     WIDE: gl.constexpr = flags[8]
+    HAS_SPAN: gl.constexpr = flags[9]
+    RK: gl.constexpr = flags[10]  # ranks a tile expands: the span width, or R padded
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -146,16 +149,24 @@ def _consume(args, flags, ROLE: gl.constexpr):
         ws = gl.load(ws_ptr + rn, mask=n_ok, other=0.0)
         acc = acc * xs[:, None] * ws[None, :]
         if HAS_LORA:
+            # ranks [r_lo, r_hi) of s and B: all of them, or the tile's span (spans.py: B is zero outside it)
+            r_lo = 0
+            r_hi = R
             sm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-            sr = gl.arange(0, BR, layout=gl.SliceLayout(0, s_layout))
             ad_s = gl.load(ad_ptr + sm, mask=sm < M, other=-1)
-            if not WIDE:
-                sv = gl.load(s_ptr + sm[:, None] * stride_sm + sr[None, :],
-                             mask=(sm < M)[:, None] & (sr < R)[None, :], other=0.0)
-            bn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, b_layout))
-            br = gl.arange(0, BR, layout=gl.SliceLayout(0, b_layout))
             lo = gl.min(gl.where(ad_s >= 0, ad_s, 2147483647), axis=0)
             hi = gl.max(ad_s, axis=0)
+            if HAS_SPAN:
+                span = gl.load(span_ptr + pid_n)
+                r_lo = gl.maximum(span, 0)
+                r_hi = gl.where(span >= 0, gl.minimum(span + RK, R), 0)
+                hi = gl.where(span >= 0, hi, -1)  # no adapter has ranks on these columns: no expand
+            sr = r_lo + gl.arange(0, BR, layout=gl.SliceLayout(0, s_layout))
+            if not WIDE:
+                sv = gl.load(s_ptr + sm[:, None] * stride_sm + sr[None, :],
+                             mask=(sm < M)[:, None] & (sr < r_hi)[None, :], other=0.0)
+            bn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, b_layout))
+            br = r_lo + gl.arange(0, BR, layout=gl.SliceLayout(0, b_layout))
             # rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows.
             # Only the adapters present: a stack of hundreds with a few in the batch leaves gaps of absent ids
             # between them, 7.3x the time at M = 2000 (460.8 against 63.3 us, 4 of 256 adapters; 2.1x at 16k
@@ -164,18 +175,18 @@ def _consume(args, flags, ROLE: gl.constexpr):
             while a_id <= hi:
                 if WIDE:  # ranks past 64 in 64-rank pieces through the one B slice buffer: the same k16 MMAs in
                     # the same order as one wide MMA, so the rows stay bitwise the Triton kernel's (run 75)
-                    for r0 in range(0, R, BR):
+                    for r0 in range(0, r_hi - r_lo, BR):
                         sv = gl.load(s_ptr + sm[:, None] * stride_sm + (r0 + sr)[None, :],
-                                     mask=(sm < M)[:, None] & ((r0 + sr) < R)[None, :], other=0.0)
+                                     mask=(sm < M)[:, None] & ((r0 + sr) < r_hi)[None, :], other=0.0)
                         bt = gl.load(b_ptr + a_id * stride_bn_a + bn[:, None] * stride_bn + (r0 + br)[None, :],
-                                     mask=(bn < N)[:, None] & ((r0 + br) < R)[None, :], other=0.0)
+                                     mask=(bn < N)[:, None] & ((r0 + br) < r_hi)[None, :], other=0.0)
                         l_smem.store(bt)
                         fence_async_shared()
                         a_op = gl.where((ad_s == a_id)[:, None], sv, 0.0).to(b_ptr.dtype.element_ty)
                         acc = warpgroup_mma(a_op, l_smem.permute((1, 0)), acc)
                 else:
                     bt = gl.load(b_ptr + a_id * stride_bn_a + bn[:, None] * stride_bn + br[None, :],
-                                 mask=(bn < N)[:, None] & (br < R)[None, :], other=0.0)
+                                 mask=(bn < N)[:, None] & (br < r_hi)[None, :], other=0.0)
                     l_smem.store(bt)
                     fence_async_shared()
                     a_op = gl.where((ad_s == a_id)[:, None], sv, 0.0).to(b_ptr.dtype.element_ty)
@@ -220,8 +231,8 @@ def _consume_odd(args, flags):
 
 @gluon.jit
 def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr,
-                         amax_w_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn,
-                         HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                         amax_w_ptr, span_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn,
+                         HAS_LORA: gl.constexpr, HAS_SPAN: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                          SILU_OUT: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS: gl.constexpr,
                          AMAX: gl.constexpr, AMAX_W: gl.constexpr, STAGES: gl.constexpr, BR: gl.constexpr):
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -243,15 +254,18 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
         mbarrier.init(order.index(i), count=1)
         mbarrier.init(res_bar.index(i), count=1)
     args = (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, M, N, K, R, stride_sm, stride_bn_a,
-            stride_bn)
+            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, M, N, K, R, stride_sm,
+            stride_bn_a, stride_bn)
     # The flags are written out in the calls: a tuple assigned to a local turns constexprs into runtime values.
     # 12 warps in all (the loader's warp rounds up to a warpgroup): 232 registers for each consumer and
     # 40 for the loader fill the 64K register file at maxnreg=168 (CUTLASS's ping-pong split).
     gl.warp_specialize([
-        (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64))),
-        (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64))),
-        (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64))),
+        (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64,
+                                 HAS_SPAN, BR))),
+        (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64,
+                                 HAS_SPAN, BR))),
+        (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64,
+                                 HAS_SPAN, BR))),
     ], [4, 1], [232, 40])
 
 
@@ -270,11 +284,13 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
                  s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
                  bias: torch.Tensor | None, residual: torch.Tensor | None, y: torch.Tensor,
                  silu_out: bool = False, amax: torch.Tensor | None = None,
-                 amax_weight: torch.Tensor | None = None, group_m: int | None = None) -> torch.Tensor:
+                 amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None,
+                 group_m: int | None = None) -> torch.Tensor:
     """Launcher for FP8 x [M, K] and W [N, K] (row scales x_scale [M], w_scale [N]) into y; the caller,
     kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`. amax [cdiv(N, BN), M] fp32,
-    when given, receives each tile's row maxima of |y| (of |y * amax_weight| with that [N] weight); `group_m`
-    (row tiles a group in the grouped tile order) is for bench/sweep.py."""
+    when given, receives each tile's row maxima of |y| (of |y * amax_weight| with that [N] weight); spans
+    (kernels.spans, for blocks of BN columns) narrows each tile's expand; `group_m` (row tiles a group in the
+    grouped tile order) is for bench/sweep.py."""
     M, K = x.shape
     N = W.shape[0]
     if amax is not None and (amax.shape != (triton.cdiv(N, BN), M) or amax.dtype != torch.float32
@@ -296,12 +312,19 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
         group_m = 16 if N >= 4096 else 8
     sms = sm_count(x.device)
     R = s.shape[1] if s is not None else 0
+    BR = max(16, triton.next_power_of_2(max(R, 1)))  # ranks a tile expands (in 64-rank pieces past 64)
+    use_spans = s is not None and spans is not None and spans.cols == BN and spans.width < BR
+    if use_spans:
+        if spans.start.numel() != triton.cdiv(N, BN) or spans.start.device != x.device:
+            raise ValueError(f"spans has {spans.start.numel()} blocks on {spans.start.device}, "
+                             f"N = {N} needs {triton.cdiv(N, BN)} on {x.device}")
+        BR = spans.width
     _lora_gemm_ws_kernel[(min(tiles, sms),)](
         xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
         token_adapter, bias if bias is not None else y, amax if amax is not None else x_scale,
-        amax_weight if amax_weight is not None else x_scale, M, N, K, R,
+        amax_weight if amax_weight is not None else x_scale, spans.start if use_spans else token_adapter, M, N, K, R,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
-        HAS_LORA=s is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU_OUT=silu_out,
-        GROUP_M=group_m, NUM_PROGS=sms, AMAX=amax is not None, AMAX_W=amax_weight is not None, STAGES=STAGES,
-        BR=max(16, triton.next_power_of_2(max(R, 1))), num_warps=4, maxnreg=168)
+        HAS_LORA=s is not None, HAS_SPAN=use_spans, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        SILU_OUT=silu_out, GROUP_M=group_m, NUM_PROGS=sms, AMAX=amax is not None, AMAX_W=amax_weight is not None,
+        STAGES=STAGES, BR=BR, num_warps=4, maxnreg=168)
     return y

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .spans import RankSpans
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -115,12 +117,14 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
               silu_out: bool = False, out: torch.Tensor | None = None, row_amax: bool = False,
-              amax_weight: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
     (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K].
     silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2].
     out: written in place (a view, e.g. some columns of a wider tensor) and returned.
-    row_amax: also return partial row maxima of |y| [P, M], of |y * amax_weight| when given (prologue's x_amax)."""
+    row_amax: also return partial row maxima of |y| [P, M], of |y * amax_weight| when given (prologue's x_amax).
+    spans: where B can be nonzero (kernels.spans); it changes no result, so the twin takes every rank."""
     if out is not None:  # as the GPU launcher: out filled, and the row maxima too when asked for
         res = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out,
                         row_amax=row_amax, amax_weight=amax_weight)
