@@ -137,3 +137,12 @@ class Fp8LoraLinear(DenseLoraLinear):
             raise ValueError(f"Fp8LoraLinear needs an e4m3 weight, got {weight.dtype}")
         super().__init__(weight, bias, prologue, ops, silu_out)
         self.weight_scale = weight_scale.float().reshape(-1)
+
+    def set_lora(self, stack: LoraStack | None) -> None:
+        """As DenseLoraLinear, with the RMSNorm's weight folded into A: the quantizing prologue's shrink is
+        rstd * x @ (A * w).T (kernels/prologue.py), which reads x as loaded."""
+        super().set_lora(stack)
+        w = self.prologue.norm_weight
+        if self.lora is not None and w is not None:
+            A = self.lora.A
+            self.lora = LoraStack((A.float() * w.float().to(A.device)).to(A.dtype), self.lora.B)

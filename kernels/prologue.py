@@ -2,8 +2,9 @@
 
 Semantics: reference.prologue. At 16 bits h = rmsnorm(x, w) (or x), rounded to x.dtype, and s = h @
 A[token_adapter].T in fp32 (zeros for adapter -1). Quantizing, u = x * w (or x), exact in fp32:
-(h8, scale) = quantize_rows(u), the row scale written is scale * rstd and s = rstd * (u at 16 bits) @ A.T,
-rstd = 1 / sqrt(mean(x^2) + eps): rmsnorm(x) * w = rstd * u, so the norm folds into the GEMM's row scale.
+(h8, scale) = quantize_rows(u), the row scale written is scale * rstd and s = rstd * x @ A.T with A
+carrying w, rstd = 1 / sqrt(mean(x^2) + eps): rmsnorm(x) * w = rstd * u, so the norm folds into the GEMM's row
+scale and into A (layers.Fp8LoraLinear).
 
 The shrink reads 16-bit activations, never the FP8 ones (DESIGN.md). One program owns BM rows and sweeps K
 in chunks. The FP8 scale needs amax |u| before the first write; the kernels that write every projection's
@@ -41,13 +42,15 @@ def _out_chunk(x_ptr, nw_ptr, h_ptr, rm, m_ok, rk, K, stride_xm, stride_hm, scal
     mask = m_ok[:, None] & (rk[None, :] < K)
     out_ptrs = h_ptr + rm[:, None] * stride_hm + rk[None, :]
     if QUANT:
+        # The shrink reads h = x as loaded (with a norm, A carries its weight): a loaded operand goes to the MMA
+        # from the pipeline's shared memory, where the normed u at 16 bits went through registers and a layout
+        # conversion, and the single-adapter sweep wins now (config below; run 89). Without a norm, converting
+        # a fp32 copy back had cost o's prologue 52 -> 71 us (run 48).
+        h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+        u = h.to(tl.float32)
         if NORM:
-            x, u = _xu_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, NORM)
-            ss += tl.sum(x * x, axis=1)
-            h = u.to(x_ptr.dtype.element_ty)  # what the shrink reads: u at 16 bits (rstd is applied after)
-        else:  # h = x as loaded: converting a fp32 copy back cost o's prologue 52 -> 71 us (run 48)
-            h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
-            u = h.to(tl.float32)
+            ss += tl.sum(u * u, axis=1)
+            u = u * tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, tl.clamp(u / scale[:, None], -448.0, 448.0).to(h_ptr.dtype.element_ty), mask=mask)
     else:
         h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
@@ -179,13 +182,17 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     # Per kind, from bench/sweep.py at W1's and W4's shapes, each sweeping once (run 48): a norm 64-row
     # programs, 4 warps (qkv 139 -> 89 us a 16k batch against 8 warps, gate_up 75 -> 71 against 32 rows).
     # Quantizing without a norm, the single-adapter sweep (ONE_AD) at 64 rows and 256-wide chunks: o 72 -> 60
-    # us, down 190 -> 168, W4's o 49 -> 41 against the adapter loop at 32 rows; with a norm it lost (qkv 88 ->
-    # 97, gate_up 72 -> 84; run 57); the 16-bit path was not measured with it. The choice depends on K and R
-    # only, never on M (batch invariance).
+    # us, down 190 -> 168, W4's o 49 -> 41 against the adapter loop at 32 rows; the 16-bit path was not measured
+    # with it. Quantizing with a norm, since its shrink reads x as loaded, the single-adapter sweep too, in
+    # 64-wide chunks 4 stages deep up to rank 32 and 128-wide at 33-64 (W1's 32k batch: gate_up's rank 32 149.0
+    # -> 95.8 us, qkv's 48 156.3 -> 115.9, against the u16 shrink's adapter loop; 64-wide chunks at 48: 150.6;
+    # run 89). The choice depends on K and R only, never on M (batch invariance).
+    BR = max(16, triton.next_power_of_2(max(R, 1)))
     if interpret:
         cfg = dict(BM=16, BK=32, num_warps=4, ONE_AD=True)
     elif norm_weight is not None and quant:
-        cfg = dict(BM=64, BK=128, num_warps=4, ONE_AD=False)
+        cfg = dict(BM=64, BK=64, num_warps=4, num_stages=4, ONE_AD=True) if BR <= 32 else \
+            dict(BM=64, BK=128, num_warps=4, ONE_AD=True)
     elif norm_weight is not None:  # 16-bit: two sweeps (run 4)
         cfg = dict(BM=64 if R > 32 else 32, BK=128, num_warps=8 if R > 32 else 4, ONE_AD=False)
     elif quant:
@@ -193,7 +200,6 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     else:
         cfg = dict(BM=32, BK=256, num_warps=4, ONE_AD=False)
     cfg["BK"] = min(cfg["BK"], max(16, triton.next_power_of_2(K)))
-    BR = max(16, triton.next_power_of_2(max(R, 1)))
     # Stacked ranks past 64: the stages' x and A chunks must fit shared memory (quantizing without a norm at
     # rank 96 asked for 262,144 of 232,448 bytes, run 75); 200 KiB keeps every config measured at ranks <= 64
     while not interpret and cfg.get("num_stages", 3) * (BR + cfg["BM"]) * cfg["BK"] * x.element_size() > 200 << 10:

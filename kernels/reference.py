@@ -91,8 +91,10 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: t
     """Semantics: h = rmsnorm(x) if norm_weight is given else x, rounded to x.dtype;
     returns (h, None, lora_shrink(h, A) or None) — or, quantizing, the same product in FP8 with the norm
     folded into the row scale: u = x * w (exact in fp32), (u8, scale) = quantize_rows(u),
-    returns (u8, scale * rstd, rstd * lora_shrink(u rounded to x.dtype, A)), rstd = 1/sqrt(mean(x^2) + eps).
-    Then the scale is known before the norm's sum of squares, so the kernel sweeps x once.
+    returns (u8, scale * rstd, rstd * lora_shrink(x, A)), rstd = 1/sqrt(mean(x^2) + eps), where A carries the
+    norm's weight (A * w, rounded once: layers.Fp8LoraLinear folds it when the adapters are attached).
+    Then the scale is known before the norm's sum of squares, so the kernel sweeps x once, and its shrink
+    reads x as loaded.
     x_amax: partial row maxima of |u| [P, M] from the kernel that wrote x (row_amax of lora_gemm and
     varlen_attention): their max is amax(|u|) exactly, so it replaces the quantizer's own sweep."""
     if not quant:
@@ -100,7 +102,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: t
         return h, None, lora_shrink(h, A, token_adapter) if A is not None else None
     u = x.to(_acc(x)) * norm_weight.to(_acc(x)) if norm_weight is not None else x
     u8, scale = quantize_rows(u, x_amax.amax(0) if x_amax is not None else None)
-    s = lora_shrink(u.to(x.dtype), A, token_adapter) if A is not None else None
+    s = lora_shrink(x, A, token_adapter) if A is not None else None
     if norm_weight is not None:
         rstd = row_blocks(lambda xb: torch.rsqrt(xb.to(_acc(xb)).pow(2).mean(-1, keepdim=True) + eps), x).squeeze(-1)
         scale = scale * rstd

@@ -83,20 +83,24 @@ def test_prologue(device, kind):
             w = (1 + 0.3 * torch.randn(K, generator=g)).to(dtype).to(device) if kind == "norm" else None
             ad = adapters_for(M, n_ad, g, device)
             A, _ = lora_stack(n_ad, r, 1, K, dtype, g, device)
-            args = (x, w, 1e-5, A, ad, quant)
+            fold = quant and w is not None  # A carries the norm's weight, as layers.Fp8LoraLinear folds it
+            args = (x, w, 1e-5, (A.float() * w.float()).to(dtype) if fold else A, ad, quant)
             nan = float("nan")
             out = (torch.full((M, K), nan, device=device).to(torch.float8_e4m3fn if quant else dtype),
                    torch.full((M,), nan, device=device) if quant else None, torch.full((M, r), nan, device=device))
             h, hs, s = prologue(*args, out=out)
             rh, rhs, rs = reference.prologue(*args)
-            e64 = reference.prologue(*list(up64(dict(enumerate(args))).values())[:-1], False)
+            e64 = reference.prologue(*up64(dict(enumerate((x, w, 1e-5, A, ad)))).values(), False)  # rmsnorm(x) @ A
             what = f"prologue {kind} M={M} K={K} r={r} {dtype} quant={quant}"
             if quant:
                 check(h.double() * hs.double()[:, None], rh.double() * rhs.double()[:, None], e64[0], what + " h")
             else:
                 check(h, rh, e64[0], what + " h")
-            h16 = reference.rmsnorm(x, w, 1e-5) if w is not None else x  # what the shrink reads
-            check(s, further_from(e64[2], rs, shrink_in_k_order(h16, A, ad)), e64[2], what + " s", factor=4.0)
+            if fold:  # the shrink reads x, times rstd
+                k_order = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * shrink_in_k_order(x, args[3], ad)
+            else:  # the shrink reads the 16-bit normed row (or x)
+                k_order = shrink_in_k_order(reference.rmsnorm(x, w, 1e-5) if w is not None else x, A, ad)
+            check(s, further_from(e64[2], rs, k_order), e64[2], what + " s", factor=4.0)
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
