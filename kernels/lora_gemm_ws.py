@@ -5,24 +5,20 @@ Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype)
 gate and up and y = silu(y[:, 0::2]) * y[:, 1::2]; with amax, amax[n, m] = max |y[m] (* amax_weight)| over
 tile n's columns — reference.lora_gemm, as kernels.lora_gemm.
 
-Why: in the Triton persistent kernel (lora_gemm.py) a tile's epilogue (scales, expand, residual, store)
-runs while the tensor cores idle; Triton 3.6's automatic warp specialization did not change that (run 16).
-Here, as in CUTLASS's ping-pong schedule, one loader warp streams the tiles' operands through a ring of
-shared-memory stages by TMA, and two consumer warpgroups take alternate tiles, their mainloops in turn:
-while one runs a tile's MMAs, the other runs the previous tile's epilogue. Each consumer owns a 128x128 fp32
-accumulator (128 registers a thread), which is why tiles are 128x128. The residual arrives by TMA during the
-mainloop and the output leaves by TMA ([128, 128] tiles of pointers in registers spilled: 744-904 bytes of
-stack a thread). The expand is one bf16 MMA per adapter in the tile, B's slice staged in shared memory;
-stacked ranks past 64 go in 64-rank pieces through the same slice buffer (run 75, M = 3000: rank 192 with
-128 adapters 162 against the Triton kernel's 587 us; 16k rows at rank 128, 550 against 650; bitwise equal).
-Measured (bench/sweep.py gemm_ws, run 22; 16k rows, qkv / o / gate_up / down): W1's shapes 434 / 277 /
-1373 / 696 us against the Triton kernel's 466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693;
-4 stages (5 do not fit beside the output tiles; at gate_up, where they do, 1432 us).
-Not cooperative 128x256 tiles (two m64n256 consumers sharing each W tile, as DeepGEMM): bitwise the same rows,
-but 0.93-1.05x of this kernel's speed at W1's and W4's shapes and no change end to end (run 59).
-Batch invariance: BK is fixed and K is reduced in order by one warpgroup, with the same MMA instructions in
-the same order as the Triton kernel: the rows are bitwise that kernel's (tests/test_kernels.py::
-test_fp8_gemm_kernels_agree_bitwise), so kernels.lora_gemm may pick either by M.
+Why: in the Triton persistent kernel (lora_gemm.py) a tile's epilogue runs while the tensor cores idle (Triton
+3.6's automatic warp specialization did not change that, run 16). Here, as in CUTLASS's ping-pong schedule, a
+loader warp streams operands by TMA through a ring of shared-memory stages and two consumer warpgroups take
+alternate 128x128 tiles (a 128x128 fp32 accumulator is 128 registers a thread): while one runs a tile's MMAs,
+the other runs the previous tile's epilogue. The residual arrives by TMA during the mainloop and the output
+leaves by TMA (pointer tiles spilled 744-904 bytes a thread). The expand is one bf16 MMA per adapter in the tile
+through B's slice in shared memory, past 64 ranks in 64-rank pieces (run 75, M = 3000, rank 192, 128 adapters:
+162 against the Triton kernel's 587 us), and through each tile's rank span when given (spans.py: qkv 1.08x).
+Run 22 (16k rows, W1's qkv / o / gate_up / down): 434 / 277 / 1373 / 696 us against the Triton kernel's
+466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693; 4 stages (5 fit only at gate_up: 1432 us).
+Cooperative 128x256 tiles (two m64n256 consumers sharing W tiles, as DeepGEMM) gave the same rows at 0.93-1.05x
+this speed and nothing end to end (run 59).
+Batch invariance: BK is fixed and one warpgroup reduces K in order, with the Triton kernel's MMA instructions in
+its order: the rows are bitwise that kernel's (test_fp8_gemm_kernels_agree_bitwise), so lora_gemm picks by M.
 CPU: Gluon has no interpreter; the same semantics run in lora_gemm.py's Triton kernel under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
