@@ -93,9 +93,6 @@ def work(kind: str, args: tuple, kw: dict, cfg):
             pairs = L.sum() if last_only else (L * (L + 1) // 2).sum()
             return 4 * H * D * float(pairs), qkv_bytes + (len(L) if last_only else T) * H * D * 2, 2
         return later
-    if kind == "rope_qk":
-        qkv = args[0]
-        return 0.0, 2 * qkv.shape[0] * cfg.kv_heads * cfg.head_dim * qkv.element_size(), 2
     x = args[0]  # the final norm
     return 0.0, 2 * x.numel() * x.element_size(), 2
 

@@ -19,8 +19,7 @@ from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
 from policyscan.kernels import reference  # noqa: E402
-from policyscan.kernels.reference import AttnShape, QRope, quantize_rows  # noqa: E402
-from policyscan.kernels.rope import rope_qk  # noqa: E402
+from policyscan.kernels.reference import AttnShape, quantize_rows  # noqa: E402
 
 T = 16384
 
@@ -221,46 +220,28 @@ def _attn_batch(width: int = 40 * 128):
 
 
 def sweep_attention(baseline=None) -> None:
-    """Tile configs of the GQA-packed kernel rotating q as it loads it, at W1's and W4's heads, with the rope
-    pass over k before it; against the rope pass over q and k and the attention without (run 50's change);
+    """Tile configs of the GQA-packed kernel at W1's and W4's heads (q and k rotated by the qkv GEMM before);
     `baseline`, another varlen_attention (a previous kernel, copied in by the caller), on the same batch."""
     for name, shape in (("W1", AttnShape(24, 8, 128)), ("W4", AttnShape(32, 8, 64))):
         H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
         lens, cu, qkv, fl = _attn_batch((H + 2 * Hkv) * D)
         fl *= H * D
-        ang = torch.outer(torch.arange(4096, dtype=torch.float64), 1.0 / 5e5 ** (torch.arange(0, D, 2) / D))
-        cos, sin = ang.cos().float().cuda(), ang.sin().float().cuda()
-        pos = torch.cat([torch.arange(int(n)) for n in lens]).cuda()
-        qr = QRope(cos, sin)
-        t_rope_qk = timed(lambda: rope_qk(qkv, pos, cos, sin, shape))
-        t_rope_k = timed(lambda: rope_qk(qkv, pos, cos, sin, shape, rotate_q=False))
-        t_plain = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5))
-        base = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5, q_rope=qr))
-        # the same product both ways: q rotated by the pass, or by the attention
-        before = varlen_attention(rope_qk(qkv.clone(), pos, cos, sin, shape), cu, shape, D ** -0.5)
-        inside = varlen_attention(rope_qk(qkv.clone(), pos, cos, sin, shape, rotate_q=False), cu, shape, D ** -0.5,
-                                  q_rope=qr)
-        diff = (before.float() - inside.float()).abs().max().item()
-        print(f"rope {name} {int(cu[-1])} tokens: q and k {t_rope_qk * 1e3:.0f} us + attention {t_plain * 1e3:.0f} us "
-              f"= {(t_rope_qk + t_plain) * 1e3:.0f}; k only {t_rope_k * 1e3:.0f} us + attention rotating q "
-              f"{base * 1e3:.0f} us = {(t_rope_k + base) * 1e3:.0f}; max |diff| {diff:.1e}")
+        base = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5))
         if baseline is not None:
-            old = timed(lambda: baseline(qkv, cu, shape, D ** -0.5, q_rope=qr))
-            same = torch.equal(baseline(qkv.clone(), cu, shape, D ** -0.5, q_rope=qr),
-                               varlen_attention(qkv.clone(), cu, shape, D ** -0.5, q_rope=qr))
+            old = timed(lambda: baseline(qkv, cu, shape, D ** -0.5))
+            same = torch.equal(baseline(qkv, cu, shape, D ** -0.5), varlen_attention(qkv, cu, shape, D ** -0.5))
             print(f"attention {name}: previous kernel {old * 1e3:.0f} us ({fl / old / 1e9:.0f} TF/s); "
                   f"bitwise the same rows: {same}")
         G = H // Hkv
         rows = []
         # rows = BQ queries x G heads (no dead heads since run 55); 128 rows with two warpgroups; maxnreg 168 or
-        # 128: three or four programs an SM (the default's 254 registers allow two; 64x64 and one-warpgroup
-        # 128-row tiles lost in run 55)
+        # 128: three or four programs an SM (64x64 and one-warpgroup 128-row tiles lost in run 55)
         for (rows_, nw), bn, ns, mr in itertools.product([(64, 4), (128, 8)], [32], [2, 3], [None, 168, 128]):
-            cfg = dict(BQ=rows_ // G, BN=bn, num_warps=nw, num_stages=ns, RCH=32, maxnreg=mr)
-            t = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5, config=cfg, q_rope=qr))
+            cfg = dict(BQ=rows_ // G, BN=bn, num_warps=nw, num_stages=ns, maxnreg=mr)
+            t = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5, config=cfg))
             rows.append((t, cfg))
         rows.sort(key=lambda r: r[0])
-        print(f"attention {name} {int(cu[-1])} tokens, {len(lens)} seqs, rotating q: default {base * 1e3:.0f} us "
+        print(f"attention {name} {int(cu[-1])} tokens, {len(lens)} seqs: default {base * 1e3:.0f} us "
               f"({fl / base / 1e9:.0f} TF/s); best: " + "; ".join(f"{t * 1e3:.0f} us {c}" for t, c in rows[:4]))
 
 

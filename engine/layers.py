@@ -10,7 +10,7 @@ from types import ModuleType
 
 import torch
 
-from ..kernels.reference import interleave_halves
+from ..kernels.reference import RopeCols, interleave_halves
 from ..kernels.spans import RankSpans, rank_spans
 
 
@@ -64,10 +64,10 @@ class DenseLoraLinear:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None = None,
-                 x_amax: torch.Tensor | None = None) -> torch.Tensor:
+                 x_amax: torch.Tensor | None = None, rope: RopeCols | None = None) -> torch.Tensor:
         """x_amax: partial row maxima of |x| (|x * norm weight|) left by the kernel that wrote x, which an FP8
-        prologue reads instead of sweeping x for its scale."""
-        return self._forward(x, token_adapter, residual, x_amax, False, None)
+        prologue reads instead of sweeping x for its scale; rope: q and k heads of y rotated (RopeCols)."""
+        return self._forward(x, token_adapter, residual, x_amax, False, None, rope)
 
     def with_amax(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None = None,
                   x_amax: torch.Tensor | None = None, next_norm: torch.Tensor | None = None
@@ -78,7 +78,8 @@ class DenseLoraLinear:
         return out if self.quantized else (out, None)
 
     def split_rows(self, x: torch.Tensor, token_adapter: torch.Tensor, split: int, rows: torch.Tensor,
-                   rows_adapter: torch.Tensor, x_amax: torch.Tensor | None = None) -> torch.Tensor:
+                   rows_adapter: torch.Tensor, x_amax: torch.Tensor | None = None,
+                   rope: RopeCols | None = None) -> torch.Tensor:
         """y as __call__ gives it, but columns [:split] only at `rows` (whose adapters are rows_adapter; a row
         named twice must come with the same adapter, or which write wins is unspecified); those columns of the
         other rows are left unset. For the last layer's qkv: k and v are keys of every token, q only queries
@@ -96,12 +97,14 @@ class DenseLoraLinear:
             return t.narrow(dim, split, t.shape[dim] - split) if hi else t.narrow(dim, 0, split)
 
         spans = self.spans
+        rope_head, rope_tail = rope.split(split, rows) if rope is not None else (None, None)
         self.ops.lora_gemm(h, h_scale, cut(w, True), cut(ws, True), s, cut(b, True, 1), token_adapter,
                            cut(bias, True), None, x.dtype, out=y[:, split:],
-                           spans=spans.narrow(split, self.out_features - split) if spans else None)
+                           spans=spans.narrow(split, self.out_features - split) if spans else None, rope=rope_tail)
         y[rows, :split] = self.ops.lora_gemm(
             _take(h, rows), _take(h_scale, rows), cut(w, False), cut(ws, False), _take(s, rows), cut(b, False, 1),
-            rows_adapter, cut(bias, False), None, x.dtype, spans=spans.narrow(0, split) if spans else None)
+            rows_adapter, cut(bias, False), None, x.dtype, spans=spans.narrow(0, split) if spans else None,
+            rope=rope_head)
         return y
 
     def _prologue(self, x: torch.Tensor, token_adapter: torch.Tensor, x_amax: torch.Tensor | None):
@@ -110,11 +113,12 @@ class DenseLoraLinear:
                                  x_amax=x_amax)
 
     def _forward(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None,
-                 x_amax: torch.Tensor | None, row_amax: bool, amax_weight: torch.Tensor | None):
+                 x_amax: torch.Tensor | None, row_amax: bool, amax_weight: torch.Tensor | None,
+                 rope: RopeCols | None = None):
         h, h_scale, s = self._prologue(x, token_adapter, x_amax)
         return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, self.lora.B if self.lora else None,
                                   token_adapter, self.bias, residual, x.dtype, self.silu_out, row_amax=row_amax,
-                                  amax_weight=amax_weight if row_amax else None, spans=self.spans)
+                                  amax_weight=amax_weight if row_amax else None, spans=self.spans, rope=rope)
 
 
 def _take(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

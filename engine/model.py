@@ -9,7 +9,7 @@ import torch
 
 from .batch import PackedBatch, pack
 from .config import ModelConfig, inv_freq
-from ..kernels.reference import AttnShape, PrefixKV, QRope
+from ..kernels.reference import AttnShape, PrefixKV, RopeCols
 from .layers import DenseLoraLinear
 
 
@@ -68,9 +68,10 @@ class Decoder:
         positions = batch.positions
         if prefix is not None:  # a sequence's own tokens start after its policy's cached prefix
             positions = positions + prefix.length[batch.token_adapter.long()]
-        # k is rotated in a pass of its own (a cached prefix keeps rotated keys), q by the attention as it loads
-        # its rows: the same product (tests/test_rope.py). Per 16k-token batch and layer, rope pass and attention
-        # took 360 -> 344 us at W1's heads and 234 -> 208 at W4's (bench/sweep.py attention, run 52).
+        # q and k are normed and rotated by the qkv GEMM as it writes them (a cached prefix keeps rotated keys):
+        # over one layer of W1's plan the rope pass over k and an attention rotating q took 14.4 ms, the
+        # attention on rotated q 11.7 (kernels/gluon_rope.py, run 93).
+        q_cols, D = cfg.heads * cfg.head_dim, cfg.head_dim
         h = self.embed[batch.ids]
         h_amax = None  # partial row maxima of |h * next norm weight|: see below
         tok_ad, last = batch.token_adapter, batch.last_idx
@@ -78,11 +79,12 @@ class Decoder:
             # The last layer only needs each sequence's last token past the K/V projections, q included: exact
             # pruning (q there is W1's 3072 of 5120 qkv columns).
             last_only = i == len(self.layers) - 1
+            rope = RopeCols(positions, cos, sin, D, q_cols + cfg.kv_heads * D, q_cols, layer.q_norm, layer.k_norm,
+                            cfg.rms_eps)
             if last_only:  # each row's own adapter: a padded batch's empty sequences repeat a last index
-                qkv = layer.qkv.split_rows(h, tok_ad, cfg.heads * cfg.head_dim, last, tok_ad[last], x_amax=h_amax)
+                qkv = layer.qkv.split_rows(h, tok_ad, q_cols, last, tok_ad[last], x_amax=h_amax, rope=rope)
             else:
-                qkv = layer.qkv(h, tok_ad, x_amax=h_amax)
-            qkv = ops.rope_qk(qkv, positions, cos, sin, shape, None, layer.k_norm, cfg.rms_eps, rotate_q=False)
+                qkv = layer.qkv(h, tok_ad, x_amax=h_amax, rope=rope)
             if capture is not None:  # a cached prefix is read as rotated keys at its own positions, never as
                 # queries (the last layer's q is set at last tokens only)
                 capture.append(qkv)
@@ -91,8 +93,7 @@ class Decoder:
             # weight), so that no FP8 prologue sweeps its input for the scale: each reads it once. At 16 bits
             # no prologue quantizes: only the attention's, which costs nothing, is computed, and left unused.
             attn, attn_amax = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.head_dim ** -0.5,
-                                                   cfg.sliding_window, last_only=last_only, prefix=pkv, row_amax=True,
-                                                   q_rope=QRope(cos, sin, layer.q_norm, cfg.rms_eps))
+                                                   cfg.sliding_window, last_only=last_only, prefix=pkv, row_amax=True)
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
             h, h_amax = layer.o.with_amax(attn, tok_ad, residual=h, x_amax=attn_amax,

@@ -1,8 +1,8 @@
 """Causal attention over packed variable-length sequences, reading the fused qkv projection directly.
 
-Semantics: reference.varlen_attention — causal softmax(q k^T * scale) v per sequence over k already normed
-and rotated (rope.rope_qk), q too or rotated here (q_rope), GQA, optional sliding window, optional cached
-prefix rows first, fp32 inside, rounded to qkv's dtype. With last_only only each sequence's last token queries.
+Semantics: reference.varlen_attention — causal softmax(q k^T * scale) v per sequence over q and k already
+normed and rotated (the qkv GEMM's RopeCols), GQA, optional sliding window, optional cached prefix rows first,
+fp32 inside, rounded to qkv's dtype. With last_only only each sequence's last token queries.
 
 Work list: the grid is (query blocks of all sequences, key/value heads), one program per (sequence, query
 block, key/value head), found from cumulative block counts computed on the device. A program owns the block's
@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import AttnShape, PrefixKV, QRope
-from .rope import rotate_rows
+from .reference import AttnShape, PrefixKV
 
 
 @triton.jit
@@ -69,11 +68,10 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
 @triton.jit
 def _attn_kernel(
     qkv_ptr, o_ptr, cu_ptr, blk_seq_ptr, cu_blk_ptr, pre_ptr, pre_start_ptr, pre_len_ptr, amax_ptr,
-    cos_ptr, sin_ptr, qn_ptr, scale, window, B, eps,
-    stride_t, stride_ot, stride_pre, K_COL, V_COL, stride_am,
+    scale, window, B, stride_t, stride_ot, stride_pre, K_COL, V_COL, stride_am,
     D: tl.constexpr, LAST_ONLY: tl.constexpr, HAS_PREFIX: tl.constexpr, AMAX: tl.constexpr,
-    ROPE: tl.constexpr, QNORM: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr, QP: tl.constexpr, BR: tl.constexpr,
-    BN: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, RCH: tl.constexpr, PREC: tl.constexpr,
+    G: tl.constexpr, BQ: tl.constexpr, QP: tl.constexpr, BR: tl.constexpr,
+    BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):
     pid, kvh = tl.program_id(0), tl.program_id(1)
     if LAST_ONLY:
@@ -115,14 +113,6 @@ def _attn_kernel(
     q0 = n_keys - n_q + mblk * BQ  # position of the block's first query, prefix included
     qpos = q0 + qi
     q_rows = qkv_ptr + (start + qpos - P) * stride_t + h * D
-    if ROPE:
-        # q is rotated in place, then loaded as if the rope pass had done it: rotated in registers, q became a
-        # register operand of the score's MMA, and the kernel spilled (255 registers, 200 bytes of stack,
-        # against 239 and none) and took 599 us against 290 at W1's heads (run 50). In place and a whole row
-        # at a time: 370 us (run 51); 32 columns of each half at a time (RCH): 330 (run 52). The rows are
-        # this program's alone; the barrier makes every thread's stores visible to the others' loads.
-        rotate_rows(q_rows, m_ok, qpos, cos_ptr, sin_ptr, qn_ptr, eps, D // 2, BH, QNORM, RCH)
-        tl.debug_barrier()
     q = tl.load(q_rows[:, None] + rd[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full((BR,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BR,), dtype=tl.float32)
@@ -161,14 +151,11 @@ def _attn_kernel(
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
                      window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
                      out: torch.Tensor | None = None, config: dict | None = None,
-                     row_amax: bool = False, q_rope: QRope | None = None
-                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
-    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, RCH, maxnreg)
+    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, maxnreg)
     overrides the tile choice (bench/sweep.py); row_amax: also return each row's max |out| per key/value head
-    group [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax);
-    q_rope: q is normed and rotated as it is loaded, and left so in qkv (the cos/sin tables must cover every
-    query's position)."""
+    group [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax)."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D or qkv.stride(1) != 1:
@@ -181,15 +168,6 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
             raise ValueError(f"prefix rows {tuple(prefix.rows.shape)} {prefix.rows.dtype} do not match qkv")
         if prefix.start.dtype != torch.int32 or prefix.length.dtype != torch.int32 or prefix.start.numel() != B:
             raise ValueError("prefix start/length must be int32 [B]")
-    if q_rope is not None:
-        c, sn = q_rope.cos, q_rope.sin
-        if (c.shape != sn.shape or c.dim() != 2 or c.shape[1] != D // 2
-                or not (c.is_contiguous() and sn.is_contiguous())
-                or c.dtype != torch.float32 or sn.dtype != torch.float32):
-            raise ValueError(f"q_rope cos/sin must be contiguous fp32 [positions, {D // 2}], got {tuple(c.shape)}")
-        if q_rope.norm is not None and (q_rope.norm.shape != (D,) or q_rope.norm.dtype != qkv.dtype):
-            raise ValueError(f"q_rope norm must be [{D}] {qkv.dtype}, "
-                             f"got {tuple(q_rope.norm.shape)} {q_rope.norm.dtype}")
     rows = B if last_only else T
     if out is None:
         out = torch.empty((rows, H * D), dtype=qkv.dtype, device=qkv.device)
@@ -203,11 +181,12 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
     # BQ * G <= 64 rows (16 queries of 4 heads at W4's group, 21 of 3 at W1's), 32-key blocks, 4 warps,
     # 3 stages: the best of 32 configs at both heads (bench/sweep.py attention, run 46; W1's group then padded
     # to 4 heads), W1's 291 us against the one-head kernel's 301, W4's 185 against 208, with bitwise the same
-    # rows. Rotating q (RCH columns of each half at a time): the same tiles are still the best of 24 (run 52).
-    # maxnreg 168: three programs an SM instead of two (254 registers at W1's heads): W1's heads 330 -> 289 us
-    # despite a few hundred bytes of spills, W4's (172 registers) 202 -> 201 (run 55)
-    cfg = dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1, RCH=8) if interpret else \
-        dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=3, RCH=32, maxnreg=168)
+    # rows. maxnreg 168: three programs an SM instead of two (254 registers at W1's heads then, rotating q):
+    # W1's heads 330 -> 289 us, W4's 202 -> 201 (run 55). On q rotated by the qkv GEMM, over one layer of W1's
+    # and W4's plans: 11.7 and 8.6 ms, within 1.3% of the best of 2 and 3 stages x maxnreg 128 / 168 / none at
+    # W1 (2 stages, 128: 11.6), and the best at W4, where 2 stages with a register cap lost 9% (run 93)
+    cfg = dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1) if interpret else \
+        dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=3, maxnreg=168)
     cfg.update(config or {})
     BQ, BN = (1 if last_only else cfg["BQ"]), cfg["BN"]  # last_only: one query per sequence
     if last_only:
@@ -225,14 +204,10 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         qkv, out, cu_seqlens, blk_seq, cu_blk,
         prefix.rows if prefix is not None else qkv, prefix.start if prefix is not None else cu_seqlens,
         prefix.length if prefix is not None else cu_seqlens, amax if row_amax else out,
-        *((q_rope.cos, q_rope.sin, q_rope.norm if q_rope.norm is not None else out) if q_rope is not None
-          else (out, out, out)),
-        scale, window or 0, B, q_rope.eps if q_rope is not None else 0.0, qkv.stride(0), out.stride(0),
+        scale, window or 0, B, qkv.stride(0), out.stride(0),
         prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D, rows,
-        D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, AMAX=row_amax, ROPE=q_rope is not None,
-        QNORM=q_rope is not None and q_rope.norm is not None, G=G, BQ=BQ, QP=triton.next_power_of_2(BQ),
-        BR=max(16, triton.next_power_of_2(BQ * G)), BN=BN, BD=max(16, triton.next_power_of_2(D)),
-        BH=max(16, triton.next_power_of_2(D // 2)), RCH=min(cfg["RCH"], max(16, triton.next_power_of_2(D // 2))),
-        PREC="ieee" if qkv.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+        D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, AMAX=row_amax, G=G, BQ=BQ,
+        QP=triton.next_power_of_2(BQ), BR=max(16, triton.next_power_of_2(BQ * G)), BN=BN,
+        BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return (out, amax) if row_amax else out

@@ -21,6 +21,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import sm_count, tma_ok
+from .reference import RopeCols
+from .rope import rope_cols
 from .spans import RankSpans
 
 try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
@@ -191,15 +193,16 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
               silu_out: bool = False, out: torch.Tensor | None = None, config: dict | None = None,
-              row_amax: bool = False, amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None
-              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              row_amax: bool = False, amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None,
+              rope: RopeCols | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.lora_gemm. x [M, K], W [N, K], B [n, N, R]; `out` is written
     in place when given; `config` overrides the tile choice of the Triton kernel (bench/sweep.py).
     row_amax: also return each tile's row maxima of |y| [N tiles, M] — of |y * amax_weight| when given (the
     next RMSNorm's weight) — which the next FP8 prologue reads instead of sweeping y for its scale
     (prologue's x_amax). spans: where B can be nonzero (kernels.spans.rank_spans(B)); the Gluon kernel then
     expands each tile through its span only, the same rows (the Triton kernel, whose small batches the
-    expand costs little, takes every rank).
+    expand costs little, takes every rank). rope: q and k heads rotated as written (RopeCols): in the Gluon
+    kernel's epilogue where it can (lora_gemm_ws.rope_ok), otherwise by the pass after (rope.rope_cols).
 
     FP8 batches of WS_MIN_ROWS rows or more on a Hopper GPU go to the warp-specialized Gluon kernel
     (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes at 16k rows
@@ -233,6 +236,8 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
                          "amax_weight")
     if amax_weight is not None and (not row_amax or amax_weight.shape != (N,) or amax_weight.stride(0) != 1):
         raise ValueError(f"amax_weight must be a contiguous [{N}] and comes with row_amax")
+    if rope is not None and (silu_out or row_amax or rope.cols > N or rope.positions.shape != (M,)):
+        raise ValueError(f"rope needs a plain projection of {M} rows and at least {rope.cols} columns")
     n_out = N // 2 if silu_out else N
     if out is not None and (out.shape != (M, n_out) or out.dtype != out_dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{M}, {n_out}] {out_dtype} with a contiguous last dimension")
@@ -246,8 +251,11 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             and lora_gemm_ws.usable(x, W, y, residual, B)):
         amax = torch.empty((triton.cdiv(N, lora_gemm_ws.BN), M), dtype=torch.float32, device=x.device) \
             if row_amax else None
+        inside = rope is not None and lora_gemm_ws.rope_ok(rope)
         lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out,
-                                  amax=amax, amax_weight=amax_weight, spans=spans)
+                                  amax=amax, amax_weight=amax_weight, spans=spans, rope=rope if inside else None)
+        if rope is not None and not inside:
+            rope_cols(y, rope)
         return (y, amax) if row_amax else y
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
     amax = torch.empty((triton.cdiv(N, cfg["BN"]), M), dtype=torch.float32, device=x.device) if row_amax else None
@@ -275,7 +283,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax, AMAX_W=amax_weight is not None,
             PREC="ieee" if x.dtype == torch.float32 else "tf32",
             BR=max(16, triton.next_power_of_2(max(R, 1))), NUM_PROGS=stride, **cfg)
-        return (y, amax) if row_amax else y
+        return (y, amax) if row_amax else (rope_cols(y, rope) if rope is not None else y)
     _lora_gemm_kernel[(tiles,)](
         x, W, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
         s if s is not None else dummy, B if B is not None else dummy,
@@ -287,4 +295,4 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax, AMAX_W=amax_weight is not None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
-    return (y, amax) if row_amax else y
+    return (y, amax) if row_amax else (rope_cols(y, rope) if rope is not None else y)

@@ -32,7 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gluon_hopper import smem_layout, tma_load, tma_store
+from .gluon_rope import rope_tile
 from .launch import sm_count, tma_ok
+from .reference import RopeCols
 from .spans import RankSpans
 
 # 4 stages of 32 KB + two 32 KB output tiles + two B slices: 200 KB of the 227 KB of shared memory
@@ -54,8 +56,8 @@ def _tile(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr)
 def _load(args, flags):
     """Loader warp: x and W tiles of every tile of this program, in order, into the stage ring."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, M, N, K, R, stride_sm,
-     stride_bn_a, stride_bn) = args
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, pos_ptr, cos_ptr, sin_ptr,
+     rope_cols, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
     GROUP_M: gl.constexpr = flags[4]
     NUM_PROGS: gl.constexpr = flags[5]
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -80,8 +82,8 @@ def _load(args, flags):
 def _consume(args, flags, ROLE: gl.constexpr):
     """Consumer warpgroup ROLE: the MMAs and the epilogue of this program's tiles ROLE, ROLE + 2, ..."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, M, N, K, R, stride_sm,
-     stride_bn_a, stride_bn) = args
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, pos_ptr, cos_ptr, sin_ptr,
+     rope_cols, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
     HAS_LORA: gl.constexpr = flags[0]
     HAS_BIAS: gl.constexpr = flags[1]
     HAS_RES: gl.constexpr = flags[2]
@@ -93,6 +95,7 @@ def _consume(args, flags, ROLE: gl.constexpr):
     WIDE: gl.constexpr = flags[8]
     HAS_SPAN: gl.constexpr = flags[9]
     RK: gl.constexpr = flags[10]  # ranks a tile expands: the span width, or R padded
+    ROPE_HALF: gl.constexpr = flags[11]  # half a head's width when q and k are rotated here (gluon_rope.py), or 0
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -210,6 +213,8 @@ def _consume(args, flags, ROLE: gl.constexpr):
             am_rows = off_m + gl.arange(0, BM, layout=am.type.layout)
             gl.store(amax_ptr + pid_n * M + am_rows, am, mask=am_rows < M)
         c_smem.store(out)
+        if ROPE_HALF > 0:
+            rope_tile(c_smem, off_m, out_n, M, pos_ptr, cos_ptr, sin_ptr, rope_cols, ROPE_HALF, 32)
         fence_async_shared()
         tma_store(y_desc, [off_m, out_n], c_smem)
     tma.store_wait(0)
@@ -227,10 +232,11 @@ def _consume_odd(args, flags):
 
 @gluon.jit
 def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr,
-                         amax_w_ptr, span_ptr, M, N, K, R, stride_sm, stride_bn_a, stride_bn,
-                         HAS_LORA: gl.constexpr, HAS_SPAN: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                         amax_w_ptr, span_ptr, pos_ptr, cos_ptr, sin_ptr, rope_cols, M, N, K, R, stride_sm,
+                         stride_bn_a, stride_bn, HAS_LORA: gl.constexpr, HAS_SPAN: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                          SILU_OUT: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS: gl.constexpr,
-                         AMAX: gl.constexpr, AMAX_W: gl.constexpr, STAGES: gl.constexpr, BR: gl.constexpr):
+                         AMAX: gl.constexpr, AMAX_W: gl.constexpr, STAGES: gl.constexpr, BR: gl.constexpr,
+                         ROPE_HALF: gl.constexpr):
     BN: gl.constexpr = w_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -250,18 +256,18 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
         mbarrier.init(order.index(i), count=1)
         mbarrier.init(res_bar.index(i), count=1)
     args = (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, M, N, K, R, stride_sm,
-            stride_bn_a, stride_bn)
+            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, pos_ptr, cos_ptr, sin_ptr,
+            rope_cols, M, N, K, R, stride_sm, stride_bn_a, stride_bn)
     # The flags are written out in the calls: a tuple assigned to a local turns constexprs into runtime values.
     # 12 warps in all (the loader's warp rounds up to a warpgroup): 232 registers for each consumer and
     # 40 for the loader fill the 64K register file at maxnreg=168 (CUTLASS's ping-pong split).
     gl.warp_specialize([
         (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64,
-                                 HAS_SPAN, BR))),
+                                 HAS_SPAN, BR, ROPE_HALF))),
         (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64,
-                                 HAS_SPAN, BR))),
+                                 HAS_SPAN, BR, ROPE_HALF))),
         (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64,
-                                 HAS_SPAN, BR))),
+                                 HAS_SPAN, BR, ROPE_HALF))),
     ], [4, 1], [232, 40])
 
 
@@ -276,17 +282,24 @@ def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Te
             and tma_ok(*(t for t in (x, W, y, residual) if t is not None)))
 
 
+def rope_ok(rope: RopeCols) -> bool:
+    """Whether the epilogue can rotate these heads (gluon_rope.py): whole heads of 64 or 128 columns in a tile,
+    no head norms. A Qwen3 norm's row sum would be reduced in another order than the rope pass's, so the rows
+    would depend on which kernel ran: such heads take the pass (lora_gemm)."""
+    return BN % rope.head_dim == 0 and rope.head_dim >= 64 and not rope.normed
+
+
 def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scale: torch.Tensor,
                  s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
                  bias: torch.Tensor | None, residual: torch.Tensor | None, y: torch.Tensor,
                  silu_out: bool = False, amax: torch.Tensor | None = None,
                  amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None,
-                 group_m: int | None = None) -> torch.Tensor:
+                 rope: RopeCols | None = None, group_m: int | None = None) -> torch.Tensor:
     """Launcher for FP8 x [M, K] and W [N, K] (row scales x_scale [M], w_scale [N]) into y; the caller,
     kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`. amax [cdiv(N, BN), M] fp32,
     when given, receives each tile's row maxima of |y| (of |y * amax_weight| with that [N] weight); spans
-    (kernels.spans, for blocks of BN columns) narrows each tile's expand; `group_m` (row tiles a group in the
-    grouped tile order) is for bench/sweep.py."""
+    (kernels.spans, for blocks of BN columns) narrows each tile's expand; rope: q and k rotated as they are
+    written (`rope_ok`); `group_m` (row tiles a group in the grouped tile order) is for bench/sweep.py."""
     M, K = x.shape
     N = W.shape[0]
     if amax is not None and (amax.shape != (triton.cdiv(N, BN), M) or amax.dtype != torch.float32
@@ -295,6 +308,8 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     if not usable(x, W, y, residual, B) or x_scale is None or w_scale is None:
         raise ValueError("lora_gemm_ws takes FP8 x and W with row scales on a Hopper GPU, TMA-aligned rows, "
                          "bf16 B; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
+    if rope is not None and not (rope_ok(rope) and not silu_out and amax is None):
+        raise ValueError("lora_gemm_ws rotates heads of 64 or 128 columns without norms, in a plain epilogue")
     xd = TensorDescriptor.from_tensor(x, [BM, BK], smem_layout(BM, BK, True))
     wd = TensorDescriptor.from_tensor(W, [BN, BK], smem_layout(BN, BK, True))
     y_block = [BM, BN // 2 if silu_out else BN]
@@ -318,9 +333,11 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     _lora_gemm_ws_kernel[(min(tiles, sms),)](
         xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
         token_adapter, bias if bias is not None else y, amax if amax is not None else x_scale,
-        amax_weight if amax_weight is not None else x_scale, spans.start if use_spans else token_adapter, M, N, K, R,
+        amax_weight if amax_weight is not None else x_scale, spans.start if use_spans else token_adapter,
+        *((rope.positions, rope.cos, rope.sin, rope.cols) if rope is not None else (token_adapter, x_scale, x_scale, 0)),
+        M, N, K, R,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         HAS_LORA=s is not None, HAS_SPAN=use_spans, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SILU_OUT=silu_out, GROUP_M=group_m, NUM_PROGS=sms, AMAX=amax is not None, AMAX_W=amax_weight is not None,
-        STAGES=STAGES, BR=BR, num_warps=4, maxnreg=168)
+        STAGES=STAGES, BR=BR, ROPE_HALF=rope.head_dim // 2 if rope is not None else 0, num_warps=4, maxnreg=168)
     return y

@@ -9,7 +9,7 @@ Conventions shared with the kernels:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -119,17 +119,20 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
               silu_out: bool = False, out: torch.Tensor | None = None, row_amax: bool = False,
-              amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None
-              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None,
+              rope: RopeCols | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
     (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K].
     silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2].
     out: written in place (a view, e.g. some columns of a wider tensor) and returned.
     row_amax: also return partial row maxima of |y| [P, M], of |y * amax_weight| when given (prologue's x_amax).
-    spans: where B can be nonzero (kernels.spans); it changes no result, so the twin takes every rank."""
+    spans: where B can be nonzero (kernels.spans); it changes no result, so the twin takes every rank.
+    rope: q and k heads of y rotated (RopeCols, rope_cols) after its rounding; a plain output only."""
+    if rope is not None and (silu_out or row_amax):
+        raise ValueError("rope applies to a plain projection's output (no SiLU epilogue, no row maxima)")
     if out is not None:  # as the GPU launcher: out filled, and the row maxima too when asked for
         res = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out,
-                        row_amax=row_amax, amax_weight=amax_weight)
+                        row_amax=row_amax, amax_weight=amax_weight, rope=rope)
         out.copy_(res[0] if row_amax else res)
         return (out, res[1]) if row_amax else out
     if row_amax:
@@ -152,7 +155,8 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         acc = acc + residual.to(dt)
     if silu_out:
         return row_blocks(lambda a: (F.silu(a[:, 0::2]) * a[:, 1::2]).to(out_dtype), acc)
-    return acc.to(out_dtype)
+    y = acc.to(out_dtype)
+    return rope_cols(y, rope) if rope is not None else y
 
 
 def interleave_halves(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -176,7 +180,7 @@ class AttnShape:
                              f"head_dim {self.head_dim} must be even (rotary halves)")
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding (HF layout) in fp32, rounded to x.dtype; x [T, heads, D], cos/sin [T, D/2]."""
     xf = x.to(_acc(x))
     x1, x2 = xf.chunk(2, dim=-1)
@@ -197,55 +201,73 @@ class PrefixKV:
 
 
 @dataclass(frozen=True)
-class QRope:
-    """The query side of rope_qk, for varlen_attention to apply as it loads q: per-head RMSNorm (Qwen3's
-    q_norm, if given, rounded to qkv.dtype), then the rotary embedding at the query's position in its
-    sequence, cached prefix included (cos/sin tables [P, D/2] fp32), rounded to qkv.dtype."""
+class RopeCols:
+    """The rotary embedding of a projection's output, applied by lora_gemm as it writes it. Columns [0, cols)
+    hold heads of head_dim columns, q heads [0, q_cols) first, then k heads; each head is normed (Qwen3's
+    q_norm / k_norm, rounded to the output dtype) when norms are given, then rotated at its row's position
+    (cos/sin tables [P, head_dim / 2] fp32; fp32 inside, rounded to the output dtype). Later columns (v) are
+    left alone."""
 
+    positions: torch.Tensor  # [M] int64, each row's position in its sequence (a cached prefix included)
     cos: torch.Tensor
     sin: torch.Tensor
-    norm: torch.Tensor | None = None
+    head_dim: int
+    cols: int
+    q_cols: int = 0
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
     eps: float = 1e-6
 
+    def __post_init__(self) -> None:
+        D = self.head_dim
+        if D % 2 or self.cols % D or self.q_cols % D or not 0 <= self.q_cols <= self.cols:
+            raise ValueError(f"rope columns {self.q_cols} (q) of {self.cols} must be whole heads of {D} (even)")
+        c, s = self.cos, self.sin
+        if (c.shape != s.shape or c.dim() != 2 or c.shape[1] != D // 2 or c.dtype != torch.float32
+                or s.dtype != torch.float32 or not (c.is_contiguous() and s.is_contiguous())):
+            raise ValueError(f"cos/sin must be contiguous fp32 [positions, {D // 2}], got {tuple(c.shape)}")
+        if self.positions.dim() != 1 or self.positions.dtype != torch.int64:
+            raise ValueError(f"positions must be int64 [rows], got {self.positions.dtype} "
+                             f"{tuple(self.positions.shape)}")
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("q_norm and k_norm come together")
+        if self.normed and (self.q_norm.shape != (D,) or self.k_norm.shape != (D,)):
+            raise ValueError(f"q_norm and k_norm must be [{D}]")
 
-def rope_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: AttnShape,
-            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-            rotate_q: bool = True) -> torch.Tensor:
-    """Semantics: in place on the q and k heads of qkv [T, (H + 2 Hkv) D]: per-head RMSNorm (if q_norm/k_norm,
-    rounded to qkv.dtype), then the rotary embedding at positions[t] (cos/sin tables [P, D/2], fp32 inside,
-    rounded to qkv.dtype). v is untouched. rotate_q=False: the k heads only (q_norm None), for an attention
-    that rotates q itself (QRope). Returns qkv."""
-    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
-    if not rotate_q and q_norm is not None:
-        raise ValueError("q_norm belongs to the attention's QRope when q is not rotated here")
-    T = qkv.shape[0]
+    @property
+    def normed(self) -> bool:
+        return self.q_norm is not None
+
+    def split(self, split: int, rows: torch.Tensor) -> tuple[RopeCols, RopeCols]:
+        """For DenseLoraLinear.split_rows: columns [:split] at `rows`, and columns [split:] at every row."""
+        head = replace(self, positions=self.positions[rows], cols=min(self.cols, split),
+                       q_cols=min(self.q_cols, split))
+        tail = replace(self, cols=max(self.cols - split, 0), q_cols=max(self.q_cols - split, 0))
+        return head, tail
+
+
+def rope_cols(y: torch.Tensor, rope: RopeCols) -> torch.Tensor:
+    """Semantics of RopeCols, in place on y [M, N >= cols]; returns y."""
+    T, D = y.shape[0], rope.head_dim
     if T == 0:
-        return qkv
-    c, s = cos[positions], sin[positions]
-    k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
-    qkv[:, H * D:(H + Hkv) * D] = rope(rmsnorm(k, k_norm, eps) if k_norm is not None else k, c, s).reshape(T, Hkv * D)
-    if rotate_q:
-        qkv[:, :H * D] = rope_q(qkv[:, :H * D].reshape(T, H, D), c, s, q_norm, eps).reshape(T, H * D)
-    return qkv
-
-
-def rope_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor | None,
-           eps: float) -> torch.Tensor:
-    """q [T, heads, D] normed (if norm) and rotated by cos/sin [T, D/2]."""
-    return rope(rmsnorm(q, norm, eps) if norm is not None else q, cos, sin)
+        return y
+    c, s = rope.cos[rope.positions], rope.sin[rope.positions]
+    for lo, hi, norm in ((0, rope.q_cols, rope.q_norm), (rope.q_cols, rope.cols, rope.k_norm)):
+        if hi > lo:
+            x = y[:, lo:hi].reshape(T, (hi - lo) // D, D)
+            y[:, lo:hi] = rotate_half(rmsnorm(x, norm, rope.eps) if norm is not None else x, c, s).reshape(T, hi - lo)
+    return y
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
                      window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
-                     row_amax: bool = False, q_rope: QRope | None = None
-                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: q, k, v = split(qkv) (k already normed and rotated: rope_qk; q too, or by q_rope); causal
+                     row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: q, k, v = split(qkv) (q and k already normed and rotated: RopeCols); causal
     softmax(q k^T * scale) v within each packed sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded
     to qkv.dtype. With `prefix`, a sequence's keys are its cached prefix rows followed by its own tokens.
     Returns [Tq, H * D]; with last_only, only each sequence's last token queries (Tq = sequences); an empty
     sequence's row is zero. `window` limits each query to its last `window` keys. row_amax: also return
-    partial row maxima of |out| [P, Tq] (see prologue's x_amax). q_rope: q is normed and rotated here
-    (QRope), as rope_qk would have, and left so in qkv's q columns of the rows that query.
+    partial row maxima of |out| [P, Tq] (see prologue's x_amax).
 
     Every product is row-blocked (rows_matmul, row_blocks), so a query's result depends only on its own
     sequence: the same with or without the prefix cache, in any batch."""
@@ -274,8 +296,6 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         if last_only:
             q = q[-1:]
         qpos = kpos[m - q.shape[0]:]
-        if q_rope is not None:  # each query at its position in the sequence, after the prefix; left in qkv
-            q[:] = rope_q(q, q_rope.cos[qpos], q_rope.sin[qpos], q_rope.norm, q_rope.eps)
         mask = kpos[None, :] <= qpos[:, None]
         if window is not None:
             mask &= kpos[None, :] > qpos[:, None] - window

@@ -4,7 +4,6 @@ from __future__ import annotations
 from .attention import varlen_attention
 from .lora_gemm import lora_gemm
 from .prologue import prologue
-from .rope import rope_qk
 from .reference import rmsnorm  # the final norm, on last tokens only: small, left to torch
 
-__all__ = ["lora_gemm", "prologue", "rmsnorm", "rope_qk", "varlen_attention"]
+__all__ = ["lora_gemm", "prologue", "rmsnorm", "varlen_attention"]

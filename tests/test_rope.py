@@ -1,18 +1,17 @@
-"""Rotary embedding: the rope pass over k (and q) heads, and the attention's own rotation of q as it loads it
-(QRope), each against its twin and fp64; and that rotating q in the attention is the same product as
-rotating it in the pass before."""
+"""Rotary embedding of a projection's q and k heads (RopeCols): the rope pass against its twin and fp64, the
+split that the last layer's qkv takes, and on Hopper the Gluon GEMM's epilogue rotation, bitwise the pass."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernel_cases import CPU, CPU_ATTN_SHAPES, GPU, GPU_ATTN_SHAPES, check, gen, packed
+from kernel_cases import CPU, GPU, check, gemm_case, gen, up64
 from policyscan.kernels import reference
-from policyscan.kernels.reference import AttnShape, PrefixKV, QRope
+from policyscan.kernels.reference import AttnShape, RopeCols
 
 triton = pytest.importorskip("triton")
-from policyscan.kernels.attention import varlen_attention  # noqa: E402
-from policyscan.kernels.rope import rope_qk  # noqa: E402
+from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
+from policyscan.kernels.rope import rope_cols  # noqa: E402
 
 
 def rope_tables(positions: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,96 +23,87 @@ def head_norms(D: int, dtype, g, device) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple((1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(device) for _ in range(2))
 
 
+def qkv_rope(shape: AttnShape, T: int, qk_norm: bool, dtype, g, device, cols: str = "qk") -> RopeCols:
+    """cols: "qk" the whole qkv projection's q and k heads, "k" a projection of k and v (q_cols 0), "q" of q."""
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    positions = torch.randint(0, 3000, (T,), generator=g).to(device)
+    cos, sin = rope_tables(3000, D, device)
+    qn, kn = head_norms(D, dtype, g, device) if qk_norm else (None, None)
+    n, q = {"qk": ((H + Hkv) * D, H * D), "k": (Hkv * D, 0), "q": (H * D, H * D)}[cols]
+    return RopeCols(positions, cos, sin, D, n, q, qn, kn, 1e-6)
+
+
+def widen(rope: RopeCols) -> RopeCols:
+    up = (None if t is None else t.double() for t in (rope.q_norm, rope.k_norm))
+    return RopeCols(rope.positions, rope.cos, rope.sin, rope.head_dim, rope.cols, rope.q_cols, *up, rope.eps)
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("rotate_q", [True, False])
-def test_rope_qk(device, qk_norm, rotate_q):
+@pytest.mark.parametrize("cols", ["qk", "k", "q"])
+def test_rope_cols(device, qk_norm, cols):
     g = gen()
     shape, dtype, T = (AttnShape(6, 2, 20), torch.float32, 37) if device == "cpu" else \
         (AttnShape(24, 8, 128), torch.bfloat16, 1001)
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
-    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype).to(device)
-    positions = torch.randint(0, 3000, (T,), generator=g).to(device)
-    cos, sin = rope_tables(3000, D, device)
-    qn, kn = head_norms(D, dtype, g, device) if qk_norm else (None, None)
-    qn = qn if rotate_q else None
-    out = rope_qk(qkv.clone(), positions, cos, sin, shape, qn, kn, 1e-6, rotate_q)
-    same = reference.rope_qk(qkv.clone(), positions, cos, sin, shape, qn, kn, 1e-6, rotate_q)
-    up = (None if t is None else t.double() for t in (qn, kn))
-    ref64 = reference.rope_qk(qkv.double(), positions, cos, sin, shape, *up, 1e-6, rotate_q)
-    assert torch.equal(out[:, (H + Hkv) * D:], qkv[:, (H + Hkv) * D:]), "v must be untouched"
-    if not rotate_q:
-        assert torch.equal(out[:, :H * D], qkv[:, :H * D]), "q must be untouched"
-    check(out, same, ref64, f"rope_qk qk_norm={qk_norm} rotate_q={rotate_q} {dtype}")
+    y = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype).to(device)
+    rope = qkv_rope(shape, T, qk_norm, dtype, g, device, cols)
+    out = rope_cols(y.clone(), rope)
+    same = reference.rope_cols(y.clone(), rope)
+    ref64 = reference.rope_cols(y.double(), widen(rope))
+    assert torch.equal(out[:, rope.cols:], y[:, rope.cols:]), "columns past the rope columns must be untouched"
+    assert not torch.equal(out[:, :rope.cols], y[:, :rope.cols])
+    check(out, same, ref64, f"rope_cols {cols} qk_norm={qk_norm} {dtype}")
 
 
-def test_rope_qk_refuses_a_q_norm_it_would_not_apply():
-    shape = AttnShape(2, 1, 8)
-    qkv, cos = torch.zeros(3, 32), torch.zeros(4, 4)
-    for fn in (rope_qk, reference.rope_qk):
-        with pytest.raises(ValueError, match="QRope"):
-            fn(qkv, torch.zeros(3, dtype=torch.int64), cos, cos, shape, torch.ones(8), torch.ones(8), rotate_q=False)
-
-
-def _prefixed_case(device, shape, g):
-    """Sequences (one empty, one of length 1) after cached prefixes of 0..n rows, packed with their lengths."""
-    if device == "cpu":
-        dtype, prefixes, own = torch.float32, [0, 5, 19], [1, 7, 30, 0, 12, 4]
-    else:
-        dtype, prefixes, own = torch.bfloat16, [0, 77, 256], [1, 300, 64, 0, 1000, 5]
-    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
-    width = (H + 2 * Hkv) * D
-    seq_pre = [i % len(prefixes) for i in range(len(own))]
-    starts = torch.tensor([0] + prefixes).cumsum(0)[:-1]
-    rows = torch.randn(sum(prefixes), width, generator=g).to(dtype).to(device)
-    prefix = PrefixKV(rows, starts[seq_pre].int().to(device),
-                      torch.tensor([prefixes[j] for j in seq_pre]).int().to(device))
-    qkv = torch.randn(sum(own), width, generator=g).to(dtype).to(device)
-    positions = torch.cat([torch.arange(n) + prefixes[j] for j, n in zip(seq_pre, own)]).to(device)
-    return qkv, packed(own, device), prefix, positions
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("last_only", [False, True])
-def test_attention_rotates_q(device, qk_norm, last_only):
-    """q normed and rotated at its position after the cached prefix, inside the attention; GQA groups 1 to 7."""
-    for shape in CPU_ATTN_SHAPES if device == "cpu" else GPU_ATTN_SHAPES:
-        g = gen()
-        D = shape.head_dim
-        qkv, cu, prefix, _ = _prefixed_case(device, shape, g)
-        cos, sin = rope_tables(2048, D, device)
-        qn = head_norms(D, qkv.dtype, g, device)[0] if qk_norm else None
-        args = (cu, shape, D ** -0.5, None, last_only)
-        rows = cu.numel() - 1 if last_only else qkv.shape[0]
-        out = torch.full((rows, shape.heads * D), float("nan"), dtype=qkv.dtype, device=device)
-        kernel_qkv, same_qkv, qkv64 = qkv.clone(), qkv.clone(), qkv.double()
-        varlen_attention(kernel_qkv, *args, prefix=prefix, out=out, q_rope=QRope(cos, sin, qn, 1e-6))
-        same = reference.varlen_attention(same_qkv, *args, prefix=prefix, q_rope=QRope(cos, sin, qn, 1e-6))
-        ref64 = reference.varlen_attention(
-            qkv64, *args, prefix=PrefixKV(prefix.rows.double(), prefix.start, prefix.length),
-            q_rope=QRope(cos, sin, qn.double() if qn is not None else None, 1e-6))
-        what = f"attention q_rope {shape} qk_norm={qk_norm} last_only={last_only} {qkv.dtype}"
-        check(out, same, ref64, what)
-        # the rows that query are left rotated in qkv (only the last ones with last_only), the rest untouched
-        queried = (cu[1:] - 1)[cu[1:] > cu[:-1]].long() if last_only else torch.arange(qkv.shape[0], device=device)
-        assert not torch.equal(same_qkv[queried], qkv[queried]), "the twin left q unrotated"
-        check(kernel_qkv, same_qkv, qkv64, what + " qkv left rotated")
+def test_rope_cols_is_checked():
+    pos, tab = torch.zeros(3, dtype=torch.int64), torch.zeros(4, 4)
+    for bad, match in [(dict(cols=12), "whole heads"), (dict(q_cols=24), "whole heads"),
+                       (dict(q_norm=torch.ones(8)), "come together"), (dict(positions=pos.int()), "int64"),
+                       (dict(cos=torch.zeros(4, 3)), "cos/sin")]:
+        args = dict(positions=pos, cos=tab, sin=tab, head_dim=8, cols=16, q_cols=8) | bad
+        with pytest.raises(ValueError, match=match):
+            RopeCols(**args)
+    with pytest.raises(ValueError, match="rows"):
+        rope_cols(torch.zeros(5, 32), RopeCols(pos, tab, tab, 8, 16, 8))
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rotating_q_in_the_attention_is_rotating_it_before(qk_norm):
-    """The twin: rope_qk over q and k, then attention == rope_qk over k, then attention rotating q. Bitwise."""
+def test_rope_split_is_the_whole(qk_norm):
+    """The last layer's qkv: q at a few rows, k and v at every row (RopeCols.split), each rotated as the whole."""
     g = gen()
-    shape = CPU_ATTN_SHAPES[0]
-    D = shape.head_dim
-    qkv, cu, prefix, positions = _prefixed_case("cpu", shape, g)
-    cos, sin = rope_tables(64, D, "cpu")
-    qn, kn = head_norms(D, qkv.dtype, g, "cpu") if qk_norm else (None, None)
-    before = reference.rope_qk(qkv.clone(), positions, cos, sin, shape, qn, kn)
-    k_only = reference.rope_qk(qkv.clone(), positions, cos, sin, shape, None, kn, rotate_q=False)
-    for last_only in (False, True):
-        args = (cu, shape, D ** -0.5, None, last_only)
-        assert torch.equal(reference.varlen_attention(before, *args, prefix=prefix),
-                           reference.varlen_attention(k_only.clone(), *args, prefix=prefix,
-                                                      q_rope=QRope(cos, sin, qn)))
+    shape = AttnShape(6, 2, 20)
+    H, D = shape.heads, shape.head_dim
+    y = torch.randn(23, (H + 2 * shape.kv_heads) * D, generator=g)
+    rope = qkv_rope(shape, 23, qk_norm, y.dtype, g, "cpu")
+    rows = torch.tensor([0, 5, 22])
+    head, tail = rope.split(H * D, rows)
+    whole = reference.rope_cols(y.clone(), rope)
+    parts = y.clone()
+    parts[:, H * D:] = reference.rope_cols(y[:, H * D:].clone(), tail)
+    parts[rows, :H * D] = reference.rope_cols(y[rows, :H * D].clone(), head)
+    assert torch.equal(parts[:, H * D:], whole[:, H * D:]) and torch.equal(parts[rows], whole[rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [AttnShape(24, 8, 128), AttnShape(32, 8, 64), AttnShape(14, 2, 64)],
+                         ids=["W1", "W4", "group7"])
+@pytest.mark.parametrize("cols", ["qk", "k"])
+def test_gemm_epilogue_rope_is_the_pass(shape, cols):
+    """FP8 batches of over 1024 rows rotate q and k in the Gluon GEMM's epilogue, smaller ones (and Qwen3's
+    normed heads) in the pass after the GEMM: the rows must be bitwise the same, and within the twin's error."""
+    from policyscan.kernels import lora_gemm_ws
+    g = gen()
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    N = (H + 2 * Hkv) * D if cols == "qk" else 2 * Hkv * D
+    for M in (1025, 3001):
+        case, _ = gemm_case(M, N, 1000, 48, 8, torch.bfloat16, True, False, False, g, "cuda")
+        rope = qkv_rope(shape, M, False, torch.bfloat16, g, "cuda", cols)
+        wide = torch.full((M, N + 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = lora_gemm(**case, out_dtype=torch.bfloat16, out=wide[:, 64:], rope=rope)  # a view, as split_rows
+        assert lora_gemm_ws.rope_ok(rope) and lora_gemm_ws.usable(case["x"], case["W"], out, None, case["B"])
+        plain = lora_gemm(**case, out_dtype=torch.bfloat16, config={"TMA": True, "PERSISTENT": True})
+        assert torch.equal(out, rope_cols(plain, rope)), f"M={M} {shape} {cols}"
+        same = reference.lora_gemm(**case, out_dtype=torch.bfloat16, rope=rope)
+        ref64 = reference.lora_gemm(**up64(case), out_dtype=torch.float64, rope=rope)
+        check(out, same, ref64, f"epilogue rope M={M} {shape} {cols}")
