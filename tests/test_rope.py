@@ -97,7 +97,7 @@ def test_gemm_epilogue_rope_is_the_pass(shape, cols):
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     N = (H + 2 * Hkv) * D if cols == "qk" else 2 * Hkv * D
     for M in (1025, 3001):
-        case, _ = gemm_case(M, N, 1000, 48, 8, torch.bfloat16, True, False, False, g, "cuda")
+        case, _ = gemm_case(M, N, 1040, 48, 8, torch.bfloat16, True, False, False, g, "cuda")  # K: TMA rows
         rope = qkv_rope(shape, M, False, torch.bfloat16, g, "cuda", cols)
         wide = torch.full((M, N + 64), float("nan"), dtype=torch.bfloat16, device="cuda")
         out = lora_gemm(**case, out_dtype=torch.bfloat16, out=wide[:, 64:], rope=rope)  # a view, as split_rows
