@@ -2,13 +2,15 @@
 
 Semantics: rope.rope_cols without head norms, on one output tile already rounded to its dtype and stored in
 shared memory: every head of the tile whose columns lie in [0, rope_cols) rotated at its row's position,
-fp32 inside, rounded again — the rope pass's instructions (rope.rotate_rows), so the rows are bitwise the same.
+fp32 inside, rounded again — the rope pass's instructions (rope._rope_kernel), so the rows are bitwise the same.
 
 Why in the GEMM: a pass over k cost 0.8 ms a layer of W1's plan, and the attention rotating q as it loaded it
-2.8 ms more than on rotated q (13.6 against 11.7 ms; .dev/s23_attn_rope.py, run 93). Here the tile is in
-shared memory anyway, between the epilogue's store and the TMA store, while the other consumer's MMAs run.
-The tile is rotated in chunks of RC rows (registers: the accumulator is dead by then) through 2 x HALF-wide
-column slices of the swizzled buffer.
+1.9 ms more than on rotated q (13.6 against 11.7 ms; .dev/s23_attn_rope.py, run 93). Here the tile is in
+shared memory anyway, between the epilogue's store and the TMA store, while the other consumer's MMAs run:
+W1's qkv GEMM at 32k rows 853.5 -> 897.8 us (RC 64; 903.6 at RC 32, 952.7 at 16; 884.3 without the table
+loads; run 96). End to end that nets W1 +0.3% (A/B on one GPU, run 97): at the power cap the attention's saved
+cycles were mostly stalls, and the tables' loads are work. The tile is rotated in chunks of RC rows
+(registers: the accumulator is dead by then) through 2 x HALF-wide column slices of the swizzled buffer.
 """
 from __future__ import annotations
 

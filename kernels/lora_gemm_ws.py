@@ -214,7 +214,7 @@ def _consume(args, flags, ROLE: gl.constexpr):
             gl.store(amax_ptr + pid_n * M + am_rows, am, mask=am_rows < M)
         c_smem.store(out)
         if ROPE_HALF > 0:
-            rope_tile(c_smem, off_m, out_n, M, pos_ptr, cos_ptr, sin_ptr, rope_cols, ROPE_HALF, 32)
+            rope_tile(c_smem, off_m, out_n, M, pos_ptr, cos_ptr, sin_ptr, rope_cols, ROPE_HALF, 64)
         fence_async_shared()
         tma_store(y_desc, [off_m, out_n], c_smem)
     tma.store_wait(0)
