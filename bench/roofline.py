@@ -24,6 +24,7 @@ from power import PowerSampler, describe  # noqa: E402
 from run import DEVICE, engine_pass, sync  # noqa: E402
 from workloads import WORKLOADS, prompts, random_decoder, shape  # noqa: E402
 
+from policyscan.engine.runner import EngineSettings  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402
 from policyscan.kernels.launch import sm_count  # noqa: E402
 
@@ -151,7 +152,7 @@ def profile(name: str, budget: int, sampler: PowerSampler | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="W1,W4")
-    ap.add_argument("--budget", type=int, default=32768)
+    ap.add_argument("--budget", type=int, default=EngineSettings.batch_tokens)
     args = ap.parse_args()
     sampler = PowerSampler() if DEVICE == "cuda" else None
     for name in args.workloads.split(","):

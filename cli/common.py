@@ -57,7 +57,7 @@ def engine_options(f):
         click.option("--precision", default="auto", show_default=True,
                      type=click.Choice(["auto", "fp8", "bf16", "fp32"]),
                      help="auto: FP8 on a GPU, fp32 on the CPU"),
-        click.option("--batch-tokens", default=32768, show_default=True, type=click.IntRange(2),
+        click.option("--batch-tokens", default=65536, show_default=True, type=click.IntRange(2),
                      help="prompt tokens per packed batch"),
         click.option("--max-length", default=2048, show_default=True, type=click.IntRange(2),
                      help="longest prompt; longer conversations lose their oldest tokens"),

@@ -33,9 +33,10 @@ def version(package: str = "policyscan") -> str:
 class EngineSettings:
     device: str = "auto"
     precision: str = "auto"
-    # 32768: W1 160.6k and W4 428.9k tok/s against 157.1k and 418.8k at 16384 in the same run (run 44); 65536
-    # gave 161.9k / 435.9k for twice the activation memory
-    batch_tokens: int = 32768
+    # 65536: W1 172.2k-172.5k and W4 464.5k tok/s against 169.4k-169.6k and 456.3k at 32768, alternating in one
+    # call, at a lower clock (1410 against 1425 MHz: less energy a token at the power cap); 98304 and 131072
+    # gave 171.3k and 172.7k-172.8k (runs 98-99). About 2.5 GB of activations at W1's shape.
+    batch_tokens: int = 65536
     max_length: int = 2048
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
     cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/graphs.py)
