@@ -182,11 +182,13 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
     # 3 stages: the best of 32 configs at both heads (bench/sweep.py attention, run 46; W1's group then padded
     # to 4 heads), W1's 291 us against the one-head kernel's 301, W4's 185 against 208, with bitwise the same
     # rows. maxnreg 168: three programs an SM instead of two (254 registers at W1's heads then, rotating q):
-    # W1's heads 330 -> 289 us, W4's 202 -> 201 (run 55). On q rotated by the qkv GEMM, over one layer of W1's
-    # and W4's plans: 11.7 and 8.6 ms, within 1.3% of the best of 2 and 3 stages x maxnreg 128 / 168 / none at
-    # W1 (2 stages, 128: 11.6), and the best at W4, where 2 stages with a register cap lost 9% (run 93)
+    # W1's heads 330 -> 289 us, W4's 202 -> 201 (run 55). On q rotated by the qkv GEMM, 128-wide heads take
+    # 2 stages and maxnreg 128 (four programs an SM): W1 +0.4% end to end, every one of 3 alternating passes
+    # (173.2k against 172.5k mean, run 100; 11.6 against 11.7 ms over a layer of its plan, run 93); at W4's
+    # 64-wide heads that lost 9% (9.3 against 8.6 ms), so narrower heads keep 3 stages and 168
+    wide = D >= 128
     cfg = dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1) if interpret else \
-        dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=3, maxnreg=168)
+        dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=2 if wide else 3, maxnreg=128 if wide else 168)
     cfg.update(config or {})
     BQ, BN = (1 if last_only else cfg["BQ"]), cfg["BN"]  # last_only: one query per sequence
     if last_only:
