@@ -85,6 +85,29 @@ def test_rope_split_is_the_whole(qk_norm):
     assert torch.equal(parts[:, H * D:], whole[:, H * D:]) and torch.equal(parts[rows], whole[rows])
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_lora_gemm_with_rope(qk_norm):
+    """The Triton GEMM (interpreter) with rope: the GEMM, then the pass over its output columns (a view, as the
+    last layer's k and v), against the twin and fp64; rope with a SiLU epilogue or row maxima is refused."""
+    g = gen()
+    shape = AttnShape(6, 2, 16)
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    M, N = 37, (H + 2 * Hkv) * D
+    case, _ = gemm_case(M, N, 48, 5, 3, torch.float32, False, False, True, g, "cpu")
+    rope = qkv_rope(shape, M, qk_norm, torch.float32, g, "cpu")
+    wide = torch.full((M, N + 16), float("nan"))
+    out = lora_gemm(**case, out_dtype=torch.float32, out=wide[:, 16:], rope=rope)
+    same = reference.lora_gemm(**case, out_dtype=torch.float32, rope=rope)
+    ref64 = reference.lora_gemm(**up64(case), out_dtype=torch.float64, rope=widen(rope))
+    check(out, same, ref64, f"lora_gemm with rope qk_norm={qk_norm}")
+    plain = reference.lora_gemm(**case, out_dtype=torch.float32)
+    assert torch.equal(same[:, rope.cols:], plain[:, rope.cols:]) and not torch.equal(same, plain)
+    for bad in (dict(silu_out=True), dict(row_amax=True)):
+        for fn in (lora_gemm, reference.lora_gemm):
+            with pytest.raises(ValueError, match="rope"):
+                fn(**case, out_dtype=torch.float32, rope=rope, **bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [AttnShape(24, 8, 128), AttnShape(32, 8, 64), AttnShape(14, 2, 64)],
                          ids=["W1", "W4", "group7"])
