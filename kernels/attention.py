@@ -210,6 +210,7 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D, rows,
         D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, AMAX=row_amax, G=G, BQ=BQ,
         QP=triton.next_power_of_2(BQ), BR=max(16, triton.next_power_of_2(BQ * G)), BN=BN,
-        BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+        BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return (out, amax) if row_amax else out

@@ -254,13 +254,26 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         inside = rope is not None and lora_gemm_ws.rope_ok(rope)
         lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out,
                                   amax=amax, amax_weight=amax_weight, spans=spans, rope=rope if inside else None)
-        if rope is not None and not inside:
-            rope_cols(y, rope)
-        return (y, amax) if row_amax else y
+    else:
+        inside = False
+        amax = _triton_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out, config,
+                            row_amax, amax_weight)
+    if rope is not None and not inside:
+        rope_cols(y, rope)
+    return (y, amax) if row_amax else y
+
+
+def _triton_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
+                 s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
+                 bias: torch.Tensor | None, residual: torch.Tensor | None, y: torch.Tensor, silu_out: bool,
+                 config: dict | None, row_amax: bool, amax_weight: torch.Tensor | None) -> torch.Tensor | None:
+    """The Triton kernels into y (arguments checked by lora_gemm); returns the row maxima when asked for."""
+    (M, K), N = x.shape, W.shape[0]
+    R = s.shape[1] if s is not None else 0
     cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
     amax = torch.empty((triton.cdiv(N, cfg["BN"]), M), dtype=torch.float32, device=x.device) if row_amax else None
     if M == 0:
-        return (y, amax) if row_amax else y
+        return amax
     tma, persistent = cfg.pop("TMA", False) and tma_ok(x, W), cfg.pop("PERSISTENT", False)
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     dummy = y
@@ -283,7 +296,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax, AMAX_W=amax_weight is not None,
             PREC="ieee" if x.dtype == torch.float32 else "tf32",
             BR=max(16, triton.next_power_of_2(max(R, 1))), NUM_PROGS=stride, **cfg)
-        return (y, amax) if row_amax else (rope_cols(y, rope) if rope is not None else y)
+        return amax
     _lora_gemm_kernel[(tiles,)](
         x, W, y, x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
         s if s is not None else dummy, B if B is not None else dummy,
@@ -295,4 +308,4 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax, AMAX_W=amax_weight is not None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
-    return (y, amax) if row_amax else (rope_cols(y, rope) if rope is not None else y)
+    return amax

@@ -233,7 +233,8 @@ def _consume_odd(args, flags):
 @gluon.jit
 def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr,
                          amax_w_ptr, span_ptr, pos_ptr, cos_ptr, sin_ptr, rope_cols, M, N, K, R, stride_sm,
-                         stride_bn_a, stride_bn, HAS_LORA: gl.constexpr, HAS_SPAN: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                         stride_bn_a, stride_bn, HAS_LORA: gl.constexpr, HAS_SPAN: gl.constexpr,
+                         HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                          SILU_OUT: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS: gl.constexpr,
                          AMAX: gl.constexpr, AMAX_W: gl.constexpr, STAGES: gl.constexpr, BR: gl.constexpr,
                          ROPE_HALF: gl.constexpr):
@@ -334,7 +335,8 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
         xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
         token_adapter, bias if bias is not None else y, amax if amax is not None else x_scale,
         amax_weight if amax_weight is not None else x_scale, spans.start if use_spans else token_adapter,
-        *((rope.positions, rope.cos, rope.sin, rope.cols) if rope is not None else (token_adapter, x_scale, x_scale, 0)),
+        *((rope.positions, rope.cos, rope.sin, rope.cols) if rope is not None
+          else (token_adapter, x_scale, x_scale, 0)),
         M, N, K, R,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         HAS_LORA=s is not None, HAS_SPAN=use_spans, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
