@@ -72,7 +72,6 @@ class Decoder:
         # so the attention reads them as they are: no rope pass, no rotation inside the attention
         # (kernels/gluon_rope.py: W1 +0.3% end to end, run 97).
         q_cols, D = cfg.heads * cfg.head_dim, cfg.head_dim
-        blocks = ops.query_blocks(batch.cu_seqlens, batch.ids.numel(), shape)  # the same at every layer
         h = self.embed[batch.ids]
         h_amax = None  # partial row maxima of |h * next norm weight|: see below
         tok_ad, last = batch.token_adapter, batch.last_idx
@@ -94,8 +93,7 @@ class Decoder:
             # weight), so that no FP8 prologue sweeps its input for the scale: each reads it once. At 16 bits
             # no prologue quantizes: only the attention's, which costs nothing, is computed, and left unused.
             attn, attn_amax = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.head_dim ** -0.5,
-                                                   cfg.sliding_window, last_only=last_only, prefix=pkv, row_amax=True,
-                                                   blocks=blocks)
+                                                   cfg.sliding_window, last_only=last_only, prefix=pkv, row_amax=True)
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
             h, h_amax = layer.o.with_amax(attn, tok_ad, residual=h, x_amax=attn_amax,

@@ -18,8 +18,6 @@ cached prefix rows in place.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -153,13 +151,11 @@ def _attn_kernel(
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
                      window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
                      out: torch.Tensor | None = None, config: dict | None = None,
-                     row_amax: bool = False, blocks: QueryBlocks | None = None
-                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
     written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, maxnreg)
     overrides the tile choice (bench/sweep.py); row_amax: also return each row's max |out| per key/value head
-    group [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax);
-    blocks: this batch's work list (query_blocks), made here when not given."""
+    group [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax)."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D or qkv.stride(1) != 1:
@@ -180,18 +176,32 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
     amax = torch.empty((Hkv, rows), dtype=torch.float32, device=qkv.device) if row_amax else None
     if B == 0:
         return (out, amax) if row_amax else out
+    interpret = qkv.device.type == "cpu"
     G = H // Hkv
-    cfg = {**_config(shape, qkv.device.type == "cpu"), **(config or {})}
+    # BQ * G <= 64 rows (16 queries of 4 heads at W4's group, 21 of 3 at W1's), 32-key blocks, 4 warps,
+    # 3 stages: the best of 32 configs at both heads (bench/sweep.py attention, run 46; W1's group then padded
+    # to 4 heads), W1's 291 us against the one-head kernel's 301, W4's 185 against 208, with bitwise the same
+    # rows. maxnreg 168: three programs an SM instead of two (254 registers at W1's heads then, rotating q):
+    # W1's heads 330 -> 289 us, W4's 202 -> 201 (run 55). On q rotated by the qkv GEMM, 128-wide heads take
+    # 2 stages and maxnreg 128 (four programs an SM): W1 +0.4% end to end, every one of 3 alternating passes
+    # (173.2k against 172.5k mean, run 100; 11.6 against 11.7 ms over a layer of its plan, run 93); at W4's
+    # 64-wide heads that lost 9% (9.3 against 8.6 ms), so narrower heads keep 3 stages and 168
+    wide = D >= 128
+    cfg = dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1) if interpret else \
+        dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=2 if wide else 3, maxnreg=128 if wide else 168)
+    cfg.update(config or {})
     BQ, BN = (1 if last_only else cfg["BQ"]), cfg["BN"]  # last_only: one query per sequence
     if last_only:
         grid, blk_seq, cu_blk = (B, Hkv), cu_seqlens, cu_seqlens
     else:
-        if blocks is None or blocks.size != BQ:
-            blocks = _blocks(cu_seqlens, T, BQ)
-        elif blocks.cu.numel() != B + 1 or blocks.seq.numel() != triton.cdiv(T, BQ) + B:
-            raise ValueError(f"query blocks for {blocks.cu.numel() - 1} sequences do not fit this batch of {B} "
-                             f"sequences, {T} tokens")
-        grid, blk_seq, cu_blk = (blocks.seq.numel(), Hkv), blocks.seq, blocks.cu
+        # query blocks per sequence, on the device (no sync): sum over b of cdiv(len_b, BQ) <= cdiv(T, BQ) + B
+        n_blk = (cu_seqlens[1:] - cu_seqlens[:-1] + BQ - 1) // BQ
+        cu_blk = torch.zeros(B + 1, dtype=torch.int32, device=qkv.device)
+        cu_blk[1:] = torch.cumsum(n_blk, 0)
+        bound = triton.cdiv(T, BQ) + B
+        blk_seq = torch.searchsorted(cu_blk, torch.arange(bound, dtype=torch.int32, device=qkv.device),
+                                     right=True, out_int32=True) - 1
+        grid = (bound, Hkv)
     _attn_kernel[grid](
         qkv, out, cu_seqlens, blk_seq, cu_blk,
         prefix.rows if prefix is not None else qkv, prefix.start if prefix is not None else cu_seqlens,
@@ -204,51 +214,3 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return (out, amax) if row_amax else out
-
-
-def _config(shape: AttnShape, interpret: bool) -> dict:
-    """BQ queries a program (of every query head in a key/value head's group), BN keys a block, and the launch.
-
-    BQ * G <= 64 rows (16 queries of 4 heads at W4's group, 21 of 3 at W1's), 32-key blocks, 4 warps,
-    3 stages: the best of 32 configs at both heads (bench/sweep.py attention, run 46; W1's group then padded
-    to 4 heads), W1's 291 us against the one-head kernel's 301, W4's 185 against 208, with bitwise the same
-    rows. maxnreg 168: three programs an SM instead of two (254 registers at W1's heads then, rotating q):
-    W1's heads 330 -> 289 us, W4's 202 -> 201 (run 55). On q rotated by the qkv GEMM, 128-wide heads take
-    2 stages and maxnreg 128 (four programs an SM): W1 +0.4% end to end, every one of 3 alternating passes
-    (173.2k against 172.5k mean, run 100; 11.6 against 11.7 ms over a layer of its plan, run 93); at W4's
-    64-wide heads that lost 9% (9.3 against 8.6 ms), so narrower heads keep 3 stages and 168. Rescaling the
-    accumulator only when a row's maximum grows past 2^8 (FlashAttention-4's lazy rescale, a block-wide
-    branch) lost 1.3% end to end at W1, and 64-key blocks with it 2.6% (run 102)."""
-    G = shape.heads // shape.kv_heads
-    if interpret:
-        return dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1)
-    wide = shape.head_dim >= 128
-    return dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=2 if wide else 3, maxnreg=128 if wide else 168)
-
-
-@dataclass(frozen=True)
-class QueryBlocks:
-    """A batch's query blocks, the attention kernel's work list: program p runs block p - cu[seq[p]] of
-    sequence seq[p] (seq[p] = B past the last block). It is the same at every layer, so the decoder makes it
-    once a forward: made per call, its ten small kernels were 297 x 10 of a W1 pass's 7,819 kernels (run 103)."""
-
-    size: int            # queries a block
-    seq: torch.Tensor    # int32 [cdiv(T, size) + B]
-    cu: torch.Tensor     # int32 [B + 1], cumulative block counts
-
-
-def query_blocks(cu_seqlens: torch.Tensor, tokens: int, shape: AttnShape) -> QueryBlocks:
-    """The work list varlen_attention would make for this batch (cu_seqlens int32 [B + 1], `tokens` in all)."""
-    return _blocks(cu_seqlens, tokens, _config(shape, cu_seqlens.device.type == "cpu")["BQ"])
-
-
-def _blocks(cu_seqlens: torch.Tensor, tokens: int, size: int) -> QueryBlocks:
-    """On the device, no sync: sum over b of cdiv(len_b, size) <= cdiv(T, size) + B bounds the grid."""
-    B = cu_seqlens.numel() - 1
-    n_blk = (cu_seqlens[1:] - cu_seqlens[:-1] + size - 1) // size
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=cu_seqlens.device)
-    cu[1:] = torch.cumsum(n_blk, 0)
-    bound = triton.cdiv(tokens, size) + B
-    seq = torch.searchsorted(cu, torch.arange(bound, dtype=torch.int32, device=cu.device), right=True,
-                             out_int32=True) - 1
-    return QueryBlocks(size, seq, cu)

@@ -259,21 +259,15 @@ def rope_cols(y: torch.Tensor, rope: RopeCols) -> torch.Tensor:
     return y
 
 
-def query_blocks(cu_seqlens: torch.Tensor, tokens: int, shape: AttnShape) -> None:
-    """The GPU attention's per-batch work list (kernels/attention.py); varlen_attention here needs none."""
-    return None
-
-
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
                      window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
-                     row_amax: bool = False, blocks: None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Semantics: q, k, v = split(qkv) (q and k already normed and rotated: RopeCols); causal
     softmax(q k^T * scale) v within each packed sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded
     to qkv.dtype. With `prefix`, a sequence's keys are its cached prefix rows followed by its own tokens.
     Returns [Tq, H * D]; with last_only, only each sequence's last token queries (Tq = sequences); an empty
     sequence's row is zero. `window` limits each query to its last `window` keys. row_amax: also return
-    partial row maxima of |out| [P, Tq] (see prologue's x_amax). `blocks` is the GPU kernel's work list
-    (query_blocks); this loop walks the sequences themselves.
+    partial row maxima of |out| [P, Tq] (see prologue's x_amax).
 
     Every product is row-blocked (rows_matmul, row_blocks), so a query's result depends only on its own
     sequence: the same with or without the prefix cache, in any batch."""

@@ -14,7 +14,7 @@ from policyscan.kernels import reference
 from policyscan.kernels.reference import AttnShape, PrefixKV
 
 triton = pytest.importorskip("triton")
-from policyscan.kernels.attention import query_blocks, varlen_attention  # noqa: E402
+from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
 
@@ -151,17 +151,6 @@ def _check_varlen_attention(device, window, last_only, shape):
     same = reference.varlen_attention(qkv, *args)
     ref64 = reference.varlen_attention(qkv.double(), *args)
     check(out, same, ref64, f"attention {shape} window={window} last_only={last_only} {dtype}")
-    # the decoder's work list, made once a forward, gives the same bits as the one made per call
-    given = varlen_attention(qkv, *args, blocks=query_blocks(cu, T, shape))
-    assert torch.equal(given, out), f"attention {shape} with the batch's query blocks"
-
-
-def test_attention_refuses_another_batchs_blocks():
-    shape = AttnShape(6, 2, 16)
-    qkv = torch.zeros(10, 10 * 16)
-    blocks = query_blocks(packed([4, 6], "cpu"), 10, shape)
-    with pytest.raises(ValueError, match="do not fit this batch of 3 sequences"):
-        varlen_attention(qkv, packed([4, 5, 1], "cpu"), shape, 0.25, blocks=blocks)
 
 
 @pytest.mark.gpu
