@@ -23,6 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .launch import sm_count, tma_ok
 from .reference import RopeCols
 from .rope import rope_cols
+from .silu import silu_mul
 from .spans import RankSpans
 
 try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
@@ -58,7 +59,8 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
               SILU_OUT: tl.constexpr, AMAX: tl.constexpr, AMAX_W: tl.constexpr, BM: tl.constexpr,
               BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
     """Scales, the multi-LoRA expand, bias, residual, SiLU-and-mul and the store of one [BM, BN] tile
-    (with AMAX, also the tile's row maxima of |y * amax_w| (or |y|), y as stored: partial pid_n of amax)."""
+    (with AMAX, also the tile's row maxima of |y * amax_w| (or |y|), y as stored: partial pid_n of amax).
+    SILU_OUT: 0 none, 1 the plain formula (interpreter), 2 silu.py's fast form, the Gluon kernel's bits."""
     m_ok, n_ok = rm < M, rn < N
     if HAS_SCALE:
         xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
@@ -90,7 +92,7 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         acc += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     if SILU_OUT:
         g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
-        h = (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty)
+        h = silu_mul(g, u, SILU_OUT == 2).to(y_ptr.dtype.element_ty)
         rh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
         mask = m_ok[:, None] & (rh[None, :] < N // 2)
         tl.store(y_ptr + rm[:, None] * stride_ym + rh[None, :], h, mask=mask)
@@ -277,6 +279,7 @@ def _triton_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor,
     tma, persistent = cfg.pop("TMA", False) and tma_ok(x, W), cfg.pop("PERSISTENT", False)
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     dummy = y
+    silu = (1 if x.device.type == "cpu" else 2) if silu_out else 0  # 2: silu.py's fast form (no interpreter)
     if tma:
         # NUM_PROGS (the tile stride) is a constexpr: kept to a few values so that batches of new sizes do
         # not compile new kernels. Persistent: the SM count, with no more programs than tiles; otherwise
@@ -293,7 +296,7 @@ def _triton_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor,
             s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0,
             B.stride(1) if B is not None else 0, residual.stride(0) if residual is not None else 0,
             HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
-            HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax, AMAX_W=amax_weight is not None,
+            HAS_RES=residual is not None, SILU_OUT=silu, AMAX=row_amax, AMAX_W=amax_weight is not None,
             PREC="ieee" if x.dtype == torch.float32 else "tf32",
             BR=max(16, triton.next_power_of_2(max(R, 1))), NUM_PROGS=stride, **cfg)
         return amax
@@ -306,6 +309,6 @@ def _triton_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         residual.stride(0) if residual is not None else 0,
         HAS_SCALE=x_scale is not None, HAS_LORA=s is not None, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, SILU_OUT=silu_out, AMAX=row_amax, AMAX_W=amax_weight is not None,
+        HAS_RES=residual is not None, SILU_OUT=silu, AMAX=row_amax, AMAX_W=amax_weight is not None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", BR=max(16, triton.next_power_of_2(max(R, 1))), **cfg)
     return amax

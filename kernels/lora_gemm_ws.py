@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gluon_hopper import smem_layout, tma_load, tma_store
+from .gluon_hopper import silu_mul, smem_layout, tma_load, tma_store
 from .gluon_rope import rope_tile
 from .launch import sm_count, tma_ok
 from .reference import RopeCols
@@ -200,7 +200,7 @@ def _consume(args, flags, ROLE: gl.constexpr):
             tma.store_wait(0)
         if SILU_OUT:
             g, u = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
-            out = (g / (1.0 + gl.exp(-g)) * u).to(y_desc.dtype)
+            out = silu_mul(g, u).to(y_desc.dtype)
             out_n = pid_n * (BN // 2)
         else:
             out = acc.to(y_desc.dtype)

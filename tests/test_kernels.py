@@ -172,6 +172,24 @@ def test_fp8_gemm_kernels_agree_bitwise(residual, bias, silu):
 
 
 @pytest.mark.gpu
+def test_silu_epilogue_at_extreme_gates():
+    """The fast SiLU (kernels/silu.py) where its approximations meet their range ends: gates from -120 to 120 (bias
+    on the gate rows), past -87 where 1 + exp(-g) leaves rcp's range. Both kernels the same bits, within the twin's
+    error bound of fp64, and finite."""
+    from policyscan.kernels import lora_gemm_ws
+    g = gen()
+    M, N, K = 2000, 3072, 1024
+    case, _ = gemm_case(M, N, K, 16, 8, torch.bfloat16, True, False, True, g, "cuda")
+    case["bias"][0::2] = torch.linspace(-120.0, 120.0, N // 2, device="cuda")
+    ws_ = torch.full((M, N // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lora_gemm_ws.lora_gemm_ws(*case.values(), ws_, True)
+    tri = lora_gemm(**case, out_dtype=torch.bfloat16, silu_out=True, config={"TMA": True, "PERSISTENT": True})
+    assert torch.equal(ws_, tri)
+    same = reference.lora_gemm(**case, out_dtype=torch.bfloat16, silu_out=True)
+    check(ws_, same, reference.lora_gemm(**up64(case), out_dtype=torch.float64, silu_out=True), "extreme gates")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp8,r", [(False, 16), (True, 16), (True, 48)])
 def test_lora_gemm_rows_do_not_depend_on_batch(fp8, r):
     """Batch invariance: rows computed inside a large batch (other tile shape and, in FP8, the Gluon kernel)
