@@ -31,7 +31,8 @@ def smem_layout(rows: int, cols: int, fp8: bool) -> gl.NVMMASharedLayout:
 
 @gluon.jit
 def silu_mul(g, u):
-    """kernels/silu.py's FAST silu_mul in Gluon: the same instructions, so both GEMM kernels give the same bits."""
+    """kernels/fast_math.py's FAST silu_mul in Gluon: the same instructions, so both GEMM kernels give the same
+    bits."""
     e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [g * -1.4426950408889634],
                                   dtype=gl.float32, is_pure=True, pack=1)
     r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=gl.float32,

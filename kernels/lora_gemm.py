@@ -23,7 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .launch import sm_count, tma_ok
 from .reference import RopeCols
 from .rope import rope_cols
-from .silu import silu_mul
+from .fast_math import silu_mul
 from .spans import RankSpans
 
 try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
@@ -60,7 +60,7 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
               BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
     """Scales, the multi-LoRA expand, bias, residual, SiLU-and-mul and the store of one [BM, BN] tile
     (with AMAX, also the tile's row maxima of |y * amax_w| (or |y|), y as stored: partial pid_n of amax).
-    SILU_OUT: 0 none, 1 the plain formula (interpreter), 2 silu.py's fast form, the Gluon kernel's bits."""
+    SILU_OUT: 0 none, 1 the plain formula (interpreter), 2 fast_math's form, the Gluon kernel's bits."""
     m_ok, n_ok = rm < M, rn < N
     if HAS_SCALE:
         xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
@@ -279,7 +279,7 @@ def _triton_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor,
     tma, persistent = cfg.pop("TMA", False) and tma_ok(x, W), cfg.pop("PERSISTENT", False)
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     dummy = y
-    silu = (1 if x.device.type == "cpu" else 2) if silu_out else 0  # 2: silu.py's fast form (no interpreter)
+    silu = (1 if x.device.type == "cpu" else 2) if silu_out else 0  # 2: fast_math's form (no interpreter)
     if tma:
         # NUM_PROGS (the tile stride) is a constexpr: kept to a few values so that batches of new sizes do
         # not compile new kernels. Persistent: the SM count, with no more programs than tiles; otherwise

@@ -66,11 +66,13 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 quantization: x8 = x / scale with scale = amax(|row|) / 448 (1 for an all-zero row);
-    `amax` [M], when given, is that row maximum already known."""
+    """Per-row e4m3 quantization: x8 = x / scale with scale = amax(|row|) / 448, at least 2^-126 (the smallest
+    normal fp32, whose reciprocal the GPU prologue multiplies by), and 1 for an all-zero row; `amax` [M], when
+    given, is that row maximum already known."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True) if amax is None else amax.float()[:, None]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny),
+                        torch.ones_like(amax))
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.squeeze(-1)
 
 

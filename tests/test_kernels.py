@@ -104,6 +104,24 @@ def test_prologue(device, kind):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+def test_fp8_prologue_on_zero_and_tiny_rows(device):
+    """Rows of zeros (scale 1) and of values near fp32's smallest normal, whose amax / 448 falls below 2^-126:
+    the scale stops there (reference.quantize_rows), so the GPU's reciprocal of it stays finite."""
+    g = gen()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    M, K = 24, 96 if device == "cpu" else 3072
+    x = torch.randn(M, K, generator=g)
+    x = torch.cat([x[:8] * 0, x[8:16] * 1e-37, x[16:] * 1e-30]).to(dtype).to(device)
+    ad = torch.zeros(M, dtype=torch.int32, device=device)
+    h, hs, _ = prologue(x, None, 1e-5, None, ad, True)
+    rh, rhs = reference.quantize_rows(x)
+    assert torch.isfinite(hs).all() and (hs[:8] == 1).all() and (hs[8:] >= torch.finfo(torch.float32).tiny).all()
+    assert torch.equal(hs[8:16], rhs[8:16]), "the floor of the scale"
+    if device == "cuda":  # the interpreter's e4m3 rounding is not the GPU's (the module docstring)
+        check(h.double() * hs.double()[:, None], rh.double() * rhs.double()[:, None], x.double(), "tiny rows")
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("norm", [False, True])
 def test_prologue_single_adapter_sweep_is_bitwise_the_adapter_loop(device, norm):
     """The two sweeps of the prologue (ONE_AD: one adapter in the block, A's loads pipelined; or the loop over
@@ -173,7 +191,7 @@ def test_fp8_gemm_kernels_agree_bitwise(residual, bias, silu):
 
 @pytest.mark.gpu
 def test_silu_epilogue_at_extreme_gates():
-    """The fast SiLU (kernels/silu.py) where its approximations meet their range ends: gates from -120 to 120 (bias
+    """The fast SiLU (kernels/fast_math.py) where its approximations meet their range ends: gates from -120 to 120 (bias
     on the gate rows), past -87 where 1 + exp(-g) leaves rcp's range. Both kernels the same bits, within the twin's
     error bound of fp64, and finite."""
     from policyscan.kernels import lora_gemm_ws
