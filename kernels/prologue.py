@@ -54,11 +54,11 @@ def _out_chunk(x_ptr, nw_ptr, h_ptr, rm, m_ok, rk, K, stride_xm, stride_hm, scal
         if NORM:
             ss += tl.sum(u * u, axis=1)
             u = u * tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
-        if FAST:
+        if FAST:  # e4m3's conversion on the GPU saturates at +-448 (cvt.rn.satfinite): no clamp
             q = u * inv[:, None]
         else:
-            q = u / scale[:, None]
-        tl.store(out_ptrs, tl.clamp(q, -448.0, 448.0).to(h_ptr.dtype.element_ty), mask=mask)
+            q = tl.clamp(u / scale[:, None], -448.0, 448.0)
+        tl.store(out_ptrs, q.to(h_ptr.dtype.element_ty), mask=mask)
     else:
         h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
         if NORM:
