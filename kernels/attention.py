@@ -185,7 +185,9 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
     # W1's heads 330 -> 289 us, W4's 202 -> 201 (run 55). On q rotated by the qkv GEMM, 128-wide heads take
     # 2 stages and maxnreg 128 (four programs an SM): W1 +0.4% end to end, every one of 3 alternating passes
     # (173.2k against 172.5k mean, run 100; 11.6 against 11.7 ms over a layer of its plan, run 93); at W4's
-    # 64-wide heads that lost 9% (9.3 against 8.6 ms), so narrower heads keep 3 stages and 168
+    # 64-wide heads that lost 9% (9.3 against 8.6 ms), so narrower heads keep 3 stages and 168. Rescaling the
+    # accumulator only when a row maximum grows past 2^8 (FlashAttention-4's lazy rescale: a block-wide branch)
+    # lost 1.3% end to end at W1, 2.6% with 64-key blocks (run 102); exp2 as ex2.approx.ftz changed nothing (run 104)
     wide = D >= 128
     cfg = dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1) if interpret else \
         dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=2 if wide else 3, maxnreg=128 if wide else 168)
