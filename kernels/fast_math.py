@@ -10,7 +10,7 @@ are the same bits: div.full(x, y) is x * rcp.approx(y) for 2^-126 <= |y| <= 2^12
 bitwise the same f with the fast SiLU, run 104). Out of range: silu gives -0 for g < -87 (true value about
 -1e-36); the prologue's scale is kept at 2^-126 or more (reference.quantize_rows). At the 700 W cap fewer
 instructions is more clock: W1 +0.6% for the SiLU (run 104: 174.1k against 173.1k mean over 3 alternating
-passes). The interpreter (CPU) has no inline assembly: callers take the plain formulas there (FAST false).
+passes), +1.5% with the prologue's (run 105: 176.1k against session 23's 173.6k on one GPU). The interpreter (CPU) has no inline assembly: callers take the plain formulas there (FAST false).
 """
 from __future__ import annotations
 

@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .fast_math import silu_mul
 from .launch import sm_count, tma_ok
 from .reference import RopeCols
 from .rope import rope_cols
-from .fast_math import silu_mul
 from .spans import RankSpans
 
 try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
