@@ -10,9 +10,8 @@ Why: in the Triton persistent kernel (lora_gemm.py) a tile's epilogue runs while
 loader warp streams operands by TMA through a ring of shared-memory stages and two consumer warpgroups take
 alternate 128x128 tiles (a 128x128 fp32 accumulator is 128 registers a thread): while one runs a tile's MMAs,
 the other runs the previous tile's epilogue. The residual arrives by TMA during the mainloop and the output
-leaves by TMA (pointer tiles spilled 744-904 bytes a thread). The expand is one bf16 MMA per adapter in the tile
-through B's slice in shared memory, past 64 ranks in 64-rank pieces (run 75, M = 3000, rank 192, 128 adapters:
-162 against the Triton kernel's 587 us), and through each tile's rank span when given (spans.py: qkv 1.08x).
+leaves by TMA (pointer tiles spilled 744-904 bytes a thread). The multi-LoRA expand is gluon_expand.py's, the
+SiLU-and-mul gluon_hopper.silu_mul (fast_math.py's instructions), the rope gluon_rope.py's.
 Run 22 (16k rows, W1's qkv / o / gate_up / down): 434 / 277 / 1373 / 696 us against the Triton kernel's
 466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693; 4 stages (5 fit only at gate_up: 1432 us).
 Cooperative 128x256 tiles (two m64n256 consumers sharing W tiles, as DeepGEMM) gave the same rows at 0.93-1.05x
@@ -32,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gluon_hopper import silu_mul, smem_layout, tma_load, tma_store
+from .gluon_expand import expand_tile
 from .gluon_rope import rope_tile
 from .launch import sm_count, tma_ok
 from .reference import RopeCols
@@ -104,8 +104,6 @@ def _consume(args, flags, ROLE: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     # the expand's bf16 MMA (k = 16 per instruction); the accumulator's registers are laid out the same
     mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    s_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma16, k_width=2)
-    b_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, mma16)
     cols: gl.constexpr = gl.SliceLayout(0, mma16)
     c_smem = c_bufs.index(ROLE)
@@ -148,49 +146,8 @@ def _consume(args, flags, ROLE: gl.constexpr):
         ws = gl.load(ws_ptr + rn, mask=n_ok, other=0.0)
         acc = acc * xs[:, None] * ws[None, :]
         if HAS_LORA:
-            # ranks [r_lo, r_hi) of s and B: all of them, or the tile's span (spans.py: B is zero outside it)
-            r_lo = 0
-            r_hi = R
-            sm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-            ad_s = gl.load(ad_ptr + sm, mask=sm < M, other=-1)
-            lo = gl.min(gl.where(ad_s >= 0, ad_s, 2147483647), axis=0)
-            hi = gl.max(ad_s, axis=0)
-            if HAS_SPAN:
-                span = gl.load(span_ptr + pid_n)
-                r_lo = gl.maximum(span, 0)
-                r_hi = gl.where(span >= 0, gl.minimum(span + RK, R), 0)
-                hi = gl.where(span >= 0, hi, -1)  # no adapter has ranks on these columns: no expand
-            sr = r_lo + gl.arange(0, BR, layout=gl.SliceLayout(0, s_layout))
-            if not WIDE:
-                sv = gl.load(s_ptr + sm[:, None] * stride_sm + sr[None, :],
-                             mask=(sm < M)[:, None] & (sr < r_hi)[None, :], other=0.0)
-            bn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, b_layout))
-            br = r_lo + gl.arange(0, BR, layout=gl.SliceLayout(0, b_layout))
-            # rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows.
-            # Only the adapters present: a stack of hundreds with a few in the batch leaves gaps of absent ids
-            # between them, 7.3x the time at M = 2000 (460.8 against 63.3 us, 4 of 256 adapters; 2.1x at 16k
-            # rows) when each id from lo to hi was visited; no change with W1's 8 (457.5 against 461.2 us, run 72)
-            a_id = lo
-            while a_id <= hi:
-                if WIDE:  # ranks past 64 in 64-rank pieces through the one B slice buffer: the same k16 MMAs in
-                    # the same order as one wide MMA, so the rows stay bitwise the Triton kernel's (run 75)
-                    for r0 in range(0, r_hi - r_lo, BR):
-                        sv = gl.load(s_ptr + sm[:, None] * stride_sm + (r0 + sr)[None, :],
-                                     mask=(sm < M)[:, None] & ((r0 + sr) < r_hi)[None, :], other=0.0)
-                        bt = gl.load(b_ptr + a_id * stride_bn_a + bn[:, None] * stride_bn + (r0 + br)[None, :],
-                                     mask=(bn < N)[:, None] & ((r0 + br) < r_hi)[None, :], other=0.0)
-                        l_smem.store(bt)
-                        fence_async_shared()
-                        a_op = gl.where((ad_s == a_id)[:, None], sv, 0.0).to(b_ptr.dtype.element_ty)
-                        acc = warpgroup_mma(a_op, l_smem.permute((1, 0)), acc)
-                else:
-                    bt = gl.load(b_ptr + a_id * stride_bn_a + bn[:, None] * stride_bn + br[None, :],
-                                 mask=(bn < N)[:, None] & (br < r_hi)[None, :], other=0.0)
-                    l_smem.store(bt)
-                    fence_async_shared()
-                    a_op = gl.where((ad_s == a_id)[:, None], sv, 0.0).to(b_ptr.dtype.element_ty)
-                    acc = warpgroup_mma(a_op, l_smem.permute((1, 0)), acc)
-                a_id = gl.min(gl.where(ad_s > a_id, ad_s, 2147483647), axis=0)
+            acc = expand_tile(acc, l_smem, off_m, off_n, pid_n, M, N, R, s_ptr, b_ptr, ad_ptr, span_ptr, stride_sm,
+                              stride_bn_a, stride_bn, HAS_SPAN, WIDE, RK)
         if HAS_BIAS:
             acc += gl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(gl.float32)[None, :]
         if HAS_RES:
