@@ -1,4 +1,4 @@
-"""Gluon's Hopper API across Triton versions, and shared helpers, for the warp-specialized GEMM (lora_gemm_ws.py).
+"""Gluon's Hopper API across Triton versions, for the warp-specialized GEMM (lora_gemm_ws.py).
 
 The device runs Triton 3.6 and the CPU machine 3.9 (where the kernel is compiled for sm_90a to check its
 registers): TMA copies and warp_specialize are spelled differently between them.
@@ -28,13 +28,3 @@ def smem_layout(rows: int, cols: int, fp8: bool) -> gl.NVMMASharedLayout:
     """The swizzled shared-memory layout of a [rows, cols] FP8 (or bf16) TMA block."""
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv if fp8 else gl.bfloat16)
 
-
-@gluon.jit
-def silu_mul(g, u):
-    """kernels/fast_math.py's FAST silu_mul in Gluon: the same instructions, so both GEMM kernels give the same
-    bits."""
-    e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [g * -1.4426950408889634],
-                                  dtype=gl.float32, is_pure=True, pack=1)
-    r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=gl.float32,
-                                  is_pure=True, pack=1)
-    return g * r * u

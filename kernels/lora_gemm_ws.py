@@ -11,7 +11,7 @@ loader warp streams operands by TMA through a ring of shared-memory stages and t
 alternate 128x128 tiles (a 128x128 fp32 accumulator is 128 registers a thread): while one runs a tile's MMAs,
 the other runs the previous tile's epilogue. The residual arrives by TMA during the mainloop and the output
 leaves by TMA (pointer tiles spilled 744-904 bytes a thread). The multi-LoRA expand is gluon_expand.py's, the
-SiLU-and-mul gluon_hopper.silu_mul (fast_math.py's instructions), the rope gluon_rope.py's.
+SiLU-and-mul fast_math.py's (the Triton kernel's instructions, so the same bits: run 108), the rope gluon_rope.py's.
 Run 22 (16k rows, W1's qkv / o / gate_up / down): 434 / 277 / 1373 / 696 us against the Triton kernel's
 466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693; 4 stages (5 fit only at gate_up: 1432 us).
 Cooperative 128x256 tiles (two m64n256 consumers sharing W tiles, as DeepGEMM) gave the same rows at 0.93-1.05x
@@ -30,7 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gluon_hopper import silu_mul, smem_layout, tma_load, tma_store
+from .fast_math import silu_mul
+from .gluon_hopper import smem_layout, tma_load, tma_store
 from .gluon_expand import expand_tile
 from .gluon_rope import rope_tile
 from .launch import sm_count, tma_ok
@@ -157,7 +158,7 @@ def _consume(args, flags, ROLE: gl.constexpr):
             tma.store_wait(0)
         if SILU_OUT:
             g, u = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
-            out = silu_mul(g, u).to(y_desc.dtype)
+            out = silu_mul(g, u, True).to(y_desc.dtype)
             out_n = pid_n * (BN // 2)
         else:
             out = acc.to(y_desc.dtype)
