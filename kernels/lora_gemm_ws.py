@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .fast_math import silu_mul
+from .fast_math import bf16_to_f32, silu_mul, to_bf16
 from .gluon_hopper import smem_layout, tma_load, tma_store
 from .gluon_expand import expand_tile
 from .gluon_rope import rope_tile
@@ -158,16 +158,19 @@ def _consume(args, flags, ROLE: gl.constexpr):
             tma.store_wait(0)
         if SILU_OUT:
             g, u = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
-            out = silu_mul(g, u, True).to(y_desc.dtype)
+            acc = silu_mul(g, u, True)
             out_n = pid_n * (BN // 2)
         else:
-            out = acc.to(y_desc.dtype)
             out_n = off_n
-        if AMAX:  # the tile's row maxima of |y| (|y * amax_w|) as stored; columns past N are TMA's zeros
-            v = out.to(gl.float32)
-            if AMAX_W:
-                v = v * gl.load(amax_w_ptr + rn, mask=n_ok, other=0.0).to(gl.float32)[None, :]
-            am = gl.max(gl.abs(v), axis=1)
+        if AMAX_W:  # the tile's row maxima of |y * amax_w| as stored; columns past N are TMA's zeros
+            out = to_bf16(acc)  # fast_math.py: packed conversions (o's epilogue -128 instructions a thread and tile)
+            aw = gl.load(amax_w_ptr + rn, mask=n_ok, other=0.0).to(gl.float32)
+            am = gl.max(gl.abs(bf16_to_f32(out) * aw[None, :]), axis=1)
+        else:
+            if AMAX:  # max |rn(y)| = rn(max |y|): rounding is monotone and odd, so one rounding a row
+                am = gl.max(gl.abs(acc), axis=1).to(y_desc.dtype).to(gl.float32)
+            out = acc.to(y_desc.dtype)
+        if AMAX:
             am_rows = off_m + gl.arange(0, BM, layout=am.type.layout)
             gl.store(amax_ptr + pid_n * M + am_rows, am, mask=am_rows < M)
         c_smem.store(out)
