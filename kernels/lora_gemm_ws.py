@@ -279,11 +279,12 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     rd = TensorDescriptor.from_tensor(residual, [BM, BN], yd.layout) if residual is not None else yd
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     if group_m is None:
-        # Grouped tile order: 16 row tiles a group at W1's and W4's gate_up (-1.4% and -1.8%) and W1's qkv
-        # (-0.7%); 8 at the 2048- and 3072-wide o and down, where 16 and 32 were slower (bench/sweep.py gemm_ws,
-        # runs 55-56). The order changes no output bit. End to end at W1, odd groups sweeping the columns
-        # backwards lost 0.4%, and with groups of 32 / 16 1.4% (run 102).
-        group_m = 16 if N >= 4096 else 8
+        # Grouped tile order: a group's row tiles share each W tile while it is in L2; at the 700 W cap W's DRAM
+        # re-reads are energy. W1's gate_up (50 MB of W), held for seconds: groups 1 / 4 / 16 1075 / 1156 / 1228
+        # TF/s (run 111), 16 / 24 / 32 1229 / 1249 / 1220 (run 112); W1 end to end +0.5% at 24 (178.7k against
+        # 177.8k, every pass; with qkv at 24 too, none: run 113). o and down keep 8 (bench/sweep.py gemm_ws, runs
+        # 55-56). The order changes no output bit; a snake order lost 0.4% end to end (run 102).
+        group_m = 24 if N >= 16384 else 16 if N >= 4096 else 8
     sms = sm_count(x.device)
     R = s.shape[1] if s is not None else 0
     BR = max(16, triton.next_power_of_2(max(R, 1)))  # ranks a tile expands (in 64-rank pieces past 64)
