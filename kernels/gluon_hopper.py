@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import inspect
 
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
