@@ -35,7 +35,8 @@ class EngineSettings:
     precision: str = "auto"
     # 65536: W1 172.2k-172.5k and W4 464.5k tok/s against 169.4k-169.6k and 456.3k at 32768, alternating in one
     # call, at a lower clock (1410 against 1425 MHz: less energy a token at the power cap); 98304 and 131072
-    # gave 171.3k and 172.7k-172.8k (runs 98-99). About 2.5 GB of activations at W1's shape.
+    # gave 171.3k and 172.7k-172.8k (runs 98-99); 131072 against 65536 again, alternating: 177.3k / 177.2k
+    # against 177.4k / 177.4k (run 109). About 2.5 GB of activations at W1's shape.
     batch_tokens: int = 65536
     max_length: int = 2048
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it

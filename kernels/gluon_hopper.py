@@ -26,4 +26,3 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 def smem_layout(rows: int, cols: int, fp8: bool) -> gl.NVMMASharedLayout:
     """The swizzled shared-memory layout of a [rows, cols] FP8 (or bf16) TMA block."""
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv if fp8 else gl.bfloat16)
-
