@@ -282,9 +282,11 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
         # Grouped tile order: a group's row tiles share each W tile while it is in L2; at the 700 W cap W's DRAM
         # re-reads are energy. W1's gate_up (50 MB of W), held for seconds: groups 1 / 4 / 16 1075 / 1156 / 1228
         # TF/s (run 111), 16 / 24 / 32 1229 / 1249 / 1220 (run 112); W1 end to end +0.5% at 24 (178.7k against
-        # 177.8k, every pass; with qkv at 24 too, none: run 113). o and down keep 8 (bench/sweep.py gemm_ws, runs
-        # 55-56). The order changes no output bit; a snake order lost 0.4% end to end (run 102).
-        group_m = 24 if N >= 16384 else 16 if N >= 4096 else 8
+        # 177.8k, every pass; with qkv at 24 too, none: run 113). Narrow N (o, down) at 12, not the 8 of burst
+        # timings (runs 55-56): held at the cap o 1111 -> 1128 TF/s, down 1218 -> 1228 (run 114); W1 end to end
+        # +0.23% every one of 4 alternating passes, 16 -0.2% (run 115). The order changes no output bit; a snake
+        # order lost 0.4% end to end (run 102).
+        group_m = 24 if N >= 16384 else 16 if N >= 4096 else 12
     sms = sm_count(x.device)
     R = s.shape[1] if s is not None else 0
     BR = max(16, triton.next_power_of_2(max(R, 1)))  # ranks a tile expands (in 64-rank pieces past 64)
