@@ -207,7 +207,8 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
             dict(BM=64, BK=128, num_warps=4, ONE_AD=True)
     elif norm_weight is not None:  # 16-bit: two sweeps (run 4)
         cfg = dict(BM=64 if R > 32 else 32, BK=128, num_warps=8 if R > 32 else 4, ONE_AD=False)
-    elif quant:  # 2 stages, not 3: W1 +0.5% end to end, every pass, f bitwise the same (run 118)
+    elif quant:  # 2 stages, not 3: 80 KB of shared memory a program, so two an SM where 120 KB left room for one;
+        # W1 +0.5% end to end in two A/Bs, every pass, f bitwise the same (runs 118-119)
         cfg = dict(BM=64, BK=256, num_warps=4, num_stages=2, ONE_AD=True)
     else:
         cfg = dict(BM=32, BK=256, num_warps=4, ONE_AD=False)
