@@ -33,7 +33,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .fast_math import bf16_to_f32, silu_mul, to_bf16
 from .gluon_hopper import smem_layout, tma_load, tma_store
 from .gluon_expand import expand_tile
-from .gluon_rope import rope_tile
+from .gluon_rope import rope_regs
 from .launch import sm_count, tma_ok
 from .reference import RopeCols
 from .spans import RankSpans
@@ -173,9 +173,10 @@ def _consume(args, flags, ROLE: gl.constexpr):
         if AMAX:
             am_rows = off_m + gl.arange(0, BM, layout=am.type.layout)
             gl.store(amax_ptr + pid_n * M + am_rows, am, mask=am_rows < M)
-        c_smem.store(out)
         if ROPE_HALF > 0:
-            rope_tile(c_smem, off_m, out_n, M, pos_ptr, cos_ptr, sin_ptr, rope_cols, ROPE_HALF, 64)
+            if off_n < rope_cols:  # v's tiles load no tables
+                out = rope_regs(out, off_m, off_n, M, pos_ptr, cos_ptr, sin_ptr, rope_cols, ROPE_HALF)
+        c_smem.store(out)
         fence_async_shared()
         tma_store(y_desc, [off_m, out_n], c_smem)
     tma.store_wait(0)

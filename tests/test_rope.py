@@ -109,8 +109,8 @@ def test_lora_gemm_with_rope(qk_norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [AttnShape(24, 8, 128), AttnShape(32, 8, 64), AttnShape(14, 2, 64)],
-                         ids=["W1", "W4", "group7"])
+@pytest.mark.parametrize("shape", [AttnShape(24, 8, 128), AttnShape(32, 8, 64), AttnShape(14, 2, 64),
+                                   AttnShape(12, 3, 64)], ids=["W1", "W4", "group7", "tile_past_rope_cols"])
 @pytest.mark.parametrize("cols", ["qk", "k"])
 def test_gemm_epilogue_rope_is_the_pass(shape, cols):
     """FP8 batches of over 1024 rows rotate q and k in the Gluon GEMM's epilogue, smaller ones (and Qwen3's
