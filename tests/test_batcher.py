@@ -48,3 +48,6 @@ def test_pack_metadata(lengths):
     with pytest.raises(ValueError):
         pack(seqs, ads[:-1] if len(ads) > 1 else ads + [1])
     assert torch.equal(b.to("cpu").ids, b.ids)
+    tensors = pack([torch.tensor(s) for s in seqs], ads)  # the same batch from tensors (the other path)
+    assert all(torch.equal(getattr(tensors, f), getattr(b, f)) for f in ("ids", "cu_seqlens", "positions"))
+    assert b.ids.dtype == torch.int64
