@@ -64,10 +64,11 @@ class DenseLoraLinear:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None = None,
-                 x_amax: torch.Tensor | None = None, rope: RopeCols | None = None) -> torch.Tensor:
+                 x_amax: torch.Tensor | None = None, rope: RopeCols | None = None, tma: bool = False) -> torch.Tensor:
         """x_amax: partial row maxima of |x| (|x * norm weight|) left by the kernel that wrote x, which an FP8
-        prologue reads instead of sweeping x for its scale; rope: q and k heads of y rotated (RopeCols)."""
-        return self._forward(x, token_adapter, residual, x_amax, False, None, rope)
+        prologue reads instead of sweeping x for its scale; rope: q and k heads of y rotated (RopeCols); tma: the
+        prologue's kernel (kernels/prologue.py), the same rows up to the last bits of the scale and shrink."""
+        return self._forward(x, token_adapter, residual, x_amax, False, None, rope, tma)
 
     def with_amax(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None = None,
                   x_amax: torch.Tensor | None = None, next_norm: torch.Tensor | None = None
@@ -79,7 +80,7 @@ class DenseLoraLinear:
 
     def split_rows(self, x: torch.Tensor, token_adapter: torch.Tensor, split: int, rows: torch.Tensor,
                    rows_adapter: torch.Tensor, x_amax: torch.Tensor | None = None,
-                   rope: RopeCols | None = None) -> torch.Tensor:
+                   rope: RopeCols | None = None, tma: bool = False) -> torch.Tensor:
         """y as __call__ gives it, but columns [:split] only at `rows` (whose adapters are rows_adapter; a row
         named twice must come with the same adapter, or which write wins is unspecified); those columns of the
         other rows are left unset. For the last layer's qkv: k and v are keys of every token, q only queries
@@ -87,7 +88,7 @@ class DenseLoraLinear:
         (no output row depends on the batch: tests/test_invariance.py)."""
         if self.silu_out or not 0 < split < self.out_features:
             raise ValueError(f"split_rows needs a plain projection and 0 < split < {self.out_features}")
-        h, h_scale, s = self._prologue(x, token_adapter, x_amax)
+        h, h_scale, s = self._prologue(x, token_adapter, x_amax, tma)
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         w, ws, b, bias = self.weight, self.weight_scale, self.lora.B if self.lora else None, self.bias
 
@@ -107,15 +108,16 @@ class DenseLoraLinear:
             rope=rope_head)
         return y
 
-    def _prologue(self, x: torch.Tensor, token_adapter: torch.Tensor, x_amax: torch.Tensor | None):
+    def _prologue(self, x: torch.Tensor, token_adapter: torch.Tensor, x_amax: torch.Tensor | None,
+                  tma: bool = False):
         p, lora = self.prologue, self.lora
         return self.ops.prologue(x, p.norm_weight, p.eps, lora.A if lora else None, token_adapter, self.quantized,
-                                 x_amax=x_amax)
+                                 x_amax=x_amax, tma=tma)
 
     def _forward(self, x: torch.Tensor, token_adapter: torch.Tensor, residual: torch.Tensor | None,
                  x_amax: torch.Tensor | None, row_amax: bool, amax_weight: torch.Tensor | None,
-                 rope: RopeCols | None = None):
-        h, h_scale, s = self._prologue(x, token_adapter, x_amax)
+                 rope: RopeCols | None = None, tma: bool = False):
+        h, h_scale, s = self._prologue(x, token_adapter, x_amax, tma)
         return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, self.lora.B if self.lora else None,
                                   token_adapter, self.bias, residual, x.dtype, self.silu_out, row_amax=row_amax,
                                   amax_weight=amax_weight if row_amax else None, spans=self.spans, rope=rope)

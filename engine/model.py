@@ -81,10 +81,13 @@ class Decoder:
             last_only = i == len(self.layers) - 1
             rope = RopeCols(positions, cos, sin, D, q_cols + cfg.kv_heads * D, q_cols, layer.q_norm, layer.k_norm,
                             cfg.rms_eps)
+            # qkv's prologue streams x by TMA (kernels/gluon_prologue.py), the other three do not: at the 700 W
+            # cap the faster prologue's power spike slows the GEMM after it, which the short qkv GEMM (and the
+            # attention after it) absorb and gate_up's does not (W1: qkv's +0.84%, every one -3.1%; runs 132-139)
             if last_only:  # each row's own adapter: a padded batch's empty sequences repeat a last index
-                qkv = layer.qkv.split_rows(h, tok_ad, q_cols, last, tok_ad[last], x_amax=h_amax, rope=rope)
+                qkv = layer.qkv.split_rows(h, tok_ad, q_cols, last, tok_ad[last], x_amax=h_amax, rope=rope, tma=True)
             else:
-                qkv = layer.qkv(h, tok_ad, x_amax=h_amax, rope=rope)
+                qkv = layer.qkv(h, tok_ad, x_amax=h_amax, rope=rope, tma=True)
             if capture is not None:  # a cached prefix is read as rotated keys at its own positions, never as
                 # queries (the last layer's q is set at last tokens only)
                 capture.append(qkv)

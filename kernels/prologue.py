@@ -23,6 +23,11 @@ import triton.language as tl
 
 from .fast_math import rcp
 
+try:
+    from . import gluon_prologue
+except (ImportError, AttributeError):  # another Triton: the Triton kernel below takes every call
+    gluon_prologue = None
+
 
 @triton.jit
 def _xu_chunk(x_ptr, nw_ptr, rm, m_ok, rk, K, stride_xm, NORM: tl.constexpr):
@@ -158,12 +163,14 @@ def _prologue_kernel(
 def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
              A: torch.Tensor | None, token_adapter: torch.Tensor, quant: bool,
              out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
-             config: dict | None = None, x_amax: torch.Tensor | None = None
+             config: dict | None = None, x_amax: torch.Tensor | None = None, tma: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launcher; same semantics as reference.prologue. x [M, K]; `out` (h, h_scale, s) is written in place
     when given; `config` (BM, BK, num_warps, num_stages, ONE_AD) overrides the tile choice (bench/sweep.py);
     x_amax [P, M] fp32, partial row maxima of |x * norm weight| (or |x|) from the kernel that wrote x
-    (lora_gemm's and varlen_attention's row_amax), spares a quantizing prologue its first sweep."""
+    (lora_gemm's and varlen_attention's row_amax), spares a quantizing prologue its first sweep. tma: a
+    quantizing call with x_amax runs gluon_prologue's TMA-fed kernel where it can (`usable`), which is faster
+    alone but not always end to end at the power cap (its docstring: the caller decides)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D with a contiguous last dimension, got {tuple(x.shape)}")
     M, K = x.shape
@@ -186,9 +193,12 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
             raise ValueError("out (h, h_scale, s) does not fit this call")
     use_amax = x_amax is not None and quant
     if use_amax and (x_amax.dim() != 2 or x_amax.shape[1] != M or x_amax.dtype != torch.float32
-                     or x_amax.stride(1) != 1):
+                     or (x_amax.stride(1) != 1 and M > 1)):  # [P, 1] from .contiguous() keeps any stride
         raise ValueError(f"x_amax must be fp32 [P, {M}] with contiguous rows, got {tuple(x_amax.shape)} {x_amax.dtype}")
     if M == 0:
+        return h, hs, s
+    if tma and use_amax and not config and gluon_prologue is not None and gluon_prologue.usable(x, A, h):
+        gluon_prologue.prologue_ws(x, norm_weight, eps, A, token_adapter, x_amax, h, hs, s)
         return h, hs, s
     interpret = x.device.type == "cpu"
     # Per kind, from bench/sweep.py at W1's and W4's shapes, each sweeping once (run 48): a norm 64-row

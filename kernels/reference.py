@@ -88,7 +88,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_adapter: torch.Tensor) -
 
 
 def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: torch.Tensor | None,
-             token_adapter: torch.Tensor, quant: bool, x_amax: torch.Tensor | None = None
+             token_adapter: torch.Tensor, quant: bool, x_amax: torch.Tensor | None = None, tma: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Semantics: h = rmsnorm(x) if norm_weight is given else x, rounded to x.dtype;
     returns (h, None, lora_shrink(h, A) or None) — or, quantizing, the same product in FP8 with the norm
@@ -98,7 +98,8 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: t
     Then the scale is known before the norm's sum of squares, so the kernel sweeps x once, and its shrink
     reads x as loaded.
     x_amax: partial row maxima of |u| [P, M] from the kernel that wrote x (row_amax of lora_gemm and
-    varlen_attention): their max is amax(|u|) exactly, so it replaces the quantizer's own sweep."""
+    varlen_attention): their max is amax(|u|) exactly, so it replaces the quantizer's own sweep. tma picks how
+    the GPU kernel streams x (kernels/prologue.py); the semantics are the same, so it is ignored here."""
     if not quant:
         h = rmsnorm(x, norm_weight, eps) if norm_weight is not None else x
         return h, None, lora_shrink(h, A, token_adapter) if A is not None else None

@@ -16,7 +16,7 @@ from policyscan.kernels.reference import AttnShape, PrefixKV
 triton = pytest.importorskip("triton")
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
-from policyscan.kernels.prologue import prologue  # noqa: E402
+from policyscan.kernels.prologue import gluon_prologue, prologue  # noqa: E402
 
 # the last: a rank past 64 (BR = 128), as r = 32 on q, k and v stacks to 96 in the qkv GEMM
 GEMM_SHAPES = [(37, 45, 70, 1, 3), (130, 96, 200, 16, 9), (1, 64, 33, 5, 1), (75, 72, 96, 64, 128),
@@ -70,13 +70,17 @@ def test_lora_gemm_without_lora_and_all_rows_without_adapter(device):
     assert torch.allclose(lora_gemm(**case, out_dtype=dtype).float(), out.float())
 
 
-@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("device,feed", [pytest.param("cpu", "sweep", id="interp"),
+                                         pytest.param("cuda", "sweep", id="gpu", marks=pytest.mark.gpu),
+                                         pytest.param("cuda", "tma", id="gpu-tma", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", ["norm", "plain"])
-def test_prologue(device, kind):
+def test_prologue(device, feed, kind):
+    """feed "tma": given the writer's row maxima, the TMA-fed Gluon kernel (gluon_prologue.py) where it can run
+    (ranks up to 64; past that the Triton kernel), h8 bitwise the Triton kernel's."""
     g = gen()
     shapes = [(37, 70, 1, 3), (64, 96, 16, 9), (1, 33, 5, 1), (50, 48, 64, 128), (20, 40, 100, 5)] \
         if device == "cpu" else [(300, 3072, 16, 8), (1000, 8192, 48, 128), (5, 3072, 1, 1), (700, 3072, 96, 16),
-                                 (300, 2048, 200, 8)]
+                                 (300, 2048, 200, 8), (4099, 3072, 64, 5), (1, 1024, 33, 200)]
     for M, K, r, n_ad in shapes:
         for dtype, quant in variants(device) if device == "cuda" else [(torch.float32, False)]:
             x = (torch.randn(M, K, generator=g) * 2).to(dtype).to(device)
@@ -88,10 +92,17 @@ def test_prologue(device, kind):
             nan = float("nan")
             out = (torch.full((M, K), nan, device=device).to(torch.float8_e4m3fn if quant else dtype),
                    torch.full((M,), nan, device=device) if quant else None, torch.full((M, r), nan, device=device))
-            h, hs, s = prologue(*args, out=out)
+            what = f"prologue {kind} {feed} M={M} K={K} r={r} {dtype} quant={quant}"
+            if feed == "tma" and quant:
+                u = x.float() * w.float() if w is not None else x.float()
+                parts = u.abs().reshape(M, 8, K // 8).amax(-1).T.contiguous()  # the writer's 8 partial maxima
+                assert gluon_prologue.usable(x, args[3], out[0]) == (r <= 64), what
+                h, hs, s = prologue(*args, out=out, x_amax=parts, tma=True)
+                assert torch.equal(h.view(torch.uint8), prologue(*args, x_amax=parts)[0].view(torch.uint8)), what
+            else:
+                h, hs, s = prologue(*args, out=out)
             rh, rhs, rs = reference.prologue(*args)
             e64 = reference.prologue(*up64(dict(enumerate((x, w, 1e-5, A, ad)))).values(), False)  # rmsnorm(x) @ A
-            what = f"prologue {kind} M={M} K={K} r={r} {dtype} quant={quant}"
             if quant:
                 check(h.double() * hs.double()[:, None], rh.double() * rhs.double()[:, None], e64[0], what + " h")
             else:
