@@ -83,7 +83,8 @@ class Decoder:
                             cfg.rms_eps)
             # qkv's prologue streams x by TMA (kernels/gluon_prologue.py), the other three do not: at the 700 W
             # cap the faster prologue's power spike slows the GEMM after it, which the short qkv GEMM (and the
-            # attention after it) absorb and gate_up's does not (W1: qkv's +0.84%, every one -3.1%; runs 132-139)
+            # attention after it) absorb and gate_up's does not (qkv's alone: W1 +0.84%, W4 +1.5%; all four: W1 -3.1%;
+            # runs 132-140)
             if last_only:  # each row's own adapter: a padded batch's empty sequences repeat a last index
                 qkv = layer.qkv.split_rows(h, tok_ad, q_cols, last, tok_ad[last], x_amax=h_amax, rope=rope, tma=True)
             else:

@@ -239,6 +239,7 @@ def prologue_ws(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A
     progs = sm_count(x.device) * programs_per_sm
     _prologue_ws_kernel[(min(triton.cdiv(M, BM), progs),)](
         xd, ad, hd, norm_weight if norm_weight is not None else x, token_adapter, x_amax, hs,
-        s if s is not None else hs, M, K, R, x_amax.shape[0], eps, x_amax.stride(0), s.stride(0) if s is not None else 0,
+        s if s is not None else hs, M, K, R, x_amax.shape[0], eps, x_amax.stride(0),
+        s.stride(0) if s is not None else 0,
         NORM=norm_weight is not None, HAS_LORA=A is not None, NUM_PROGS=progs, SUB=sub, STAGES=stages, BP=BP,
         num_warps=4, **({"maxnreg": 128} if programs_per_sm > 1 else {}))
