@@ -32,7 +32,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: PackedBatch   # static inputs on the device
     out: torch.Tensor    # static f [B']
-    tables: tuple[torch.Tensor, torch.Tensor]  # the rope tables it reads: kept alive if the cache regrows
+    tables: tuple[torch.Tensor, ...]  # the rope tables it reads: kept alive if the cache regrows
 
 
 class GraphedForward:

@@ -9,7 +9,7 @@ import torch
 
 from .batch import PackedBatch, pack
 from .config import ModelConfig, inv_freq
-from ..kernels.reference import AttnShape, PrefixKV, RopeCols
+from ..kernels.reference import AttnShape, PrefixKV, RopeCols, pack_rope
 from .layers import DenseLoraLinear
 
 
@@ -31,7 +31,7 @@ class Decoder:
         self.cfg, self.embed, self.layers, self.norm, self.ops = cfg, embed, layers, norm, ops
         self.head_rows = head_rows  # label ids -> rows of the output projection (fp32)
         self.head: torch.Tensor | None = None  # [n_policies, hidden] fp32, set by attach_policies
-        self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._rope_cache: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -41,14 +41,17 @@ class Decoder:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-    def rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [P, head_dim/2] fp32 covering positions < max_pos (computed in fp64, grown on demand)."""
+    def rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """cos/sin [P, head_dim/2] fp32 covering positions < max_pos, computed in fp64 and rounded to the
+        activations' dtype, as HF does (`cos.to(x.dtype)`); for bf16 also packed (pack_rope), which the GEMM's
+        epilogue reads. Grown on demand."""
         if self._rope_cache is None or self._rope_cache[0] < max_pos:
             size = max(max_pos, 4096)
             ang = torch.outer(torch.arange(size, dtype=torch.float64), inv_freq(self.cfg))
-            self._rope_cache = (size, ang.cos().float().contiguous().to(self.device),
-                                ang.sin().float().contiguous().to(self.device))
-        return self._rope_cache[1], self._rope_cache[2]
+            cos, sin = (t.to(self.dtype).float().contiguous().to(self.device) for t in (ang.cos(), ang.sin()))
+            packed = pack_rope(cos, sin) if self.dtype == torch.bfloat16 else None
+            self._rope_cache = (size, cos, sin, packed)
+        return self._rope_cache[1:]
 
     def forward(self, batch: PackedBatch, prefix: PrefixCache | None = None,
                 capture: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -63,7 +66,7 @@ class Decoder:
         if prefix is not None:
             ad = batch.seq_adapter.long()
             seq_pre = (prefix.start[ad], prefix.length[ad])
-        cos, sin = self.rope_tables(batch.max_seqlen + (prefix.longest if prefix is not None else 0))
+        cos, sin, packed = self.rope_tables(batch.max_seqlen + (prefix.longest if prefix is not None else 0))
         shape = AttnShape(cfg.heads, cfg.kv_heads, cfg.head_dim)
         positions = batch.positions
         if prefix is not None:  # a sequence's own tokens start after its policy's cached prefix
@@ -80,7 +83,7 @@ class Decoder:
             # pruning (q there is W1's 3072 of 5120 qkv columns).
             last_only = i == len(self.layers) - 1
             rope = RopeCols(positions, cos, sin, D, q_cols + cfg.kv_heads * D, q_cols, layer.q_norm, layer.k_norm,
-                            cfg.rms_eps)
+                            cfg.rms_eps, packed)
             # qkv's prologue streams x by TMA (kernels/gluon_prologue.py), the other three do not: at the 700 W
             # cap the faster prologue's power spike slows the GEMM after it, which the short qkv GEMM (and the
             # attention after it) absorb and gate_up's does not (qkv's alone: W1 +0.84%, W4 +1.5%; all four: W1 -3.1%;

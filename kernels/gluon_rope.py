@@ -8,8 +8,10 @@ Why in the GEMM: a pass over k cost 0.8 ms a layer of W1's plan, and the attenti
 1.9 ms more than on rotated q (13.6 against 11.7 ms; .dev/s23_attn_rope.py, run 93).
 Why in registers: in wgmma's accumulator layout a thread holds column n and its rotate-half partner n + HALF
 (both bit patterns differ in a register-index bit), so the rotation is a renaming of registers, with no round
-trip through shared memory. The earlier form rotated the tile in shared memory between the epilogue's store and
-the TMA store; skipping the rotation altogether ran W1 1.3% faster end to end (run 122), most of it that trip.
+trip through shared memory (run 124: within the noise end to end, 136 fewer instructions a tile and thread).
+Why packed tables (reference.pack_rope: bf16 cos and sin in one int32 word): the rope's cost at the 700 W cap
+is its table loads and arithmetic; no rotation at all ran W1 2.1% faster (run 141), and the packed tables,
+half the bytes and 32 instead of 64 8-byte loads a thread and tile (SASS for sm_90a), gave 0.8% of it back.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from .fast_math import bf16_to_f32, to_bf16
 
 
 @gluon.jit
-def rope_regs(out, off_m, off_n, M, pos_ptr, cos_ptr, sin_ptr, rope_cols, HALF: gl.constexpr):
-    """out [BM, BN] (rounded to y's dtype, in any distributed layout) with its heads rotated, same layout."""
+def rope_regs(out, off_m, off_n, M, pos_ptr, cs_ptr, rope_cols, HALF: gl.constexpr):
+    """out [BM, BN] (rounded to y's dtype, in any distributed layout) with its heads rotated, same layout;
+    cs_ptr: the packed cos/sin table (reference.pack_rope)."""
     BM: gl.constexpr = out.shape[0]
     BN: gl.constexpr = out.shape[1]
     NH: gl.constexpr = BN // (2 * HALF)  # heads in the tile
@@ -34,8 +37,9 @@ def rope_regs(out, off_m, off_n, M, pos_ptr, cos_ptr, sin_ptr, rope_cols, HALF: 
     k = gl.arange(0, HALF * NH, layout=gl.SliceLayout(0, L))
     pos = gl.load(pos_ptr + rows, mask=rows < M, other=0)
     tab = pos[:, None] * HALF + (k // NH)[None, :]
-    c = gl.load(cos_ptr + tab)
-    s = gl.load(sin_ptr + tab)
+    cs = gl.load(cs_ptr + tab)
+    c = (cs << 16).to(gl.float32, bitcast=True)  # bf16 -> fp32 is a shift: the table's values exactly
+    s = (cs & -65536).to(gl.float32, bitcast=True)
     a = bf16_to_f32(x1)  # fast_math.py's packed conversions: the same bits as .to()
     b = bf16_to_f32(x2)
     y1 = to_bf16(gl.fma(a, c, -(b * s)))

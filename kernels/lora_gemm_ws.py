@@ -57,7 +57,7 @@ def _tile(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr)
 def _load(args, flags):
     """Loader warp: x and W tiles of every tile of this program, in order, into the stage ring."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, pos_ptr, cos_ptr, sin_ptr,
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, pos_ptr, cs_ptr,
      rope_cols, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
     GROUP_M: gl.constexpr = flags[4]
     NUM_PROGS: gl.constexpr = flags[5]
@@ -83,7 +83,7 @@ def _load(args, flags):
 def _consume(args, flags, ROLE: gl.constexpr):
     """Consumer warpgroup ROLE: the MMAs and the epilogue of this program's tiles ROLE, ROLE + 2, ..."""
     (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, pos_ptr, cos_ptr, sin_ptr,
+     xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, pos_ptr, cs_ptr,
      rope_cols, M, N, K, R, stride_sm, stride_bn_a, stride_bn) = args
     HAS_LORA: gl.constexpr = flags[0]
     HAS_BIAS: gl.constexpr = flags[1]
@@ -175,7 +175,7 @@ def _consume(args, flags, ROLE: gl.constexpr):
             gl.store(amax_ptr + pid_n * M + am_rows, am, mask=am_rows < M)
         if ROPE_HALF > 0:
             if off_n < rope_cols:  # v's tiles load no tables
-                out = rope_regs(out, off_m, off_n, M, pos_ptr, cos_ptr, sin_ptr, rope_cols, ROPE_HALF)
+                out = rope_regs(out, off_m, off_n, M, pos_ptr, cs_ptr, rope_cols, ROPE_HALF)
         c_smem.store(out)
         fence_async_shared()
         tma_store(y_desc, [off_m, out_n], c_smem)
@@ -194,7 +194,7 @@ def _consume_odd(args, flags):
 
 @gluon.jit
 def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr,
-                         amax_w_ptr, span_ptr, pos_ptr, cos_ptr, sin_ptr, rope_cols, M, N, K, R, stride_sm,
+                         amax_w_ptr, span_ptr, pos_ptr, cs_ptr, rope_cols, M, N, K, R, stride_sm,
                          stride_bn_a, stride_bn, HAS_LORA: gl.constexpr, HAS_SPAN: gl.constexpr,
                          HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                          SILU_OUT: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS: gl.constexpr,
@@ -219,7 +219,7 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
         mbarrier.init(order.index(i), count=1)
         mbarrier.init(res_bar.index(i), count=1)
     args = (x_desc, w_desc, y_desc, r_desc, a_bufs, b_bufs, c_bufs, l_bufs, ready, empty, order, res_bar,
-            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, pos_ptr, cos_ptr, sin_ptr,
+            xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr, amax_w_ptr, span_ptr, pos_ptr, cs_ptr,
             rope_cols, M, N, K, R, stride_sm, stride_bn_a, stride_bn)
     # The flags are written out in the calls: a tuple assigned to a local turns constexprs into runtime values.
     # 12 warps in all (the loader's warp rounds up to a warpgroup): 232 registers for each consumer and
@@ -247,9 +247,9 @@ def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Te
 
 def rope_ok(rope: RopeCols) -> bool:
     """Whether the epilogue can rotate these heads (gluon_rope.py): whole heads of 64 or 128 columns in a tile,
-    no head norms. A Qwen3 norm's row sum would be reduced in another order than the rope pass's, so the rows
-    would depend on which kernel ran: such heads take the pass (lora_gemm)."""
-    return BN % rope.head_dim == 0 and rope.head_dim >= 64 and not rope.normed
+    no head norms, packed tables. A Qwen3 norm's row sum would be reduced in another order than the rope pass's,
+    so the rows would depend on which kernel ran: such heads take the pass (lora_gemm)."""
+    return BN % rope.head_dim == 0 and rope.head_dim >= 64 and not rope.normed and rope.packed is not None
 
 
 def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scale: torch.Tensor,
@@ -272,7 +272,8 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
         raise ValueError("lora_gemm_ws takes FP8 x and W with row scales on a Hopper GPU, TMA-aligned rows, "
                          "bf16 B; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
     if rope is not None and not (rope_ok(rope) and not silu_out and amax is None):
-        raise ValueError("lora_gemm_ws rotates heads of 64 or 128 columns without norms, in a plain epilogue")
+        raise ValueError("lora_gemm_ws rotates heads of 64 or 128 columns without norms, from packed tables "
+                         "(reference.pack_rope), in a plain epilogue")
     xd = TensorDescriptor.from_tensor(x, [BM, BK], smem_layout(BM, BK, True))
     wd = TensorDescriptor.from_tensor(W, [BN, BK], smem_layout(BN, BK, True))
     y_block = [BM, BN // 2 if silu_out else BN]
@@ -301,8 +302,7 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
         xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
         token_adapter, bias if bias is not None else y, amax if amax is not None else x_scale,
         amax_weight if amax_weight is not None else x_scale, spans.start if use_spans else token_adapter,
-        *((rope.positions, rope.cos, rope.sin, rope.cols) if rope is not None
-          else (token_adapter, x_scale, x_scale, 0)),
+        *((rope.positions, rope.packed, rope.cols) if rope is not None else (token_adapter, token_adapter, 0)),
         M, N, K, R,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         HAS_LORA=s is not None, HAS_SPAN=use_spans, HAS_BIAS=bias is not None, HAS_RES=residual is not None,

@@ -2,6 +2,8 @@
 split that the last layer's qkv takes, and on Hopper the Gluon GEMM's epilogue rotation, bitwise the pass."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,9 +16,11 @@ from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.rope import rope_cols  # noqa: E402
 
 
-def rope_tables(positions: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(positions: int, D: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """cos, sin rounded to dtype (as Decoder.rope_tables), and packed for bf16."""
     ang = torch.outer(torch.arange(positions, dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
-    return ang.cos().float().to(device), ang.sin().float().to(device)
+    cos, sin = (t.to(dtype).float().to(device) for t in (ang.cos(), ang.sin()))
+    return cos, sin, reference.pack_rope(cos, sin) if dtype == torch.bfloat16 else None
 
 
 def head_norms(D: int, dtype, g, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,10 +31,10 @@ def qkv_rope(shape: AttnShape, T: int, qk_norm: bool, dtype, g, device, cols: st
     """cols: "qk" the whole qkv projection's q and k heads, "k" a projection of k and v (q_cols 0), "q" of q."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     positions = torch.randint(0, 3000, (T,), generator=g).to(device)
-    cos, sin = rope_tables(3000, D, device)
+    cos, sin, packed = rope_tables(3000, D, dtype, device)
     qn, kn = head_norms(D, dtype, g, device) if qk_norm else (None, None)
     n, q = {"qk": ((H + Hkv) * D, H * D), "k": (Hkv * D, 0), "q": (H * D, H * D)}[cols]
-    return RopeCols(positions, cos, sin, D, n, q, qn, kn, 1e-6)
+    return RopeCols(positions, cos, sin, D, n, q, qn, kn, 1e-6, packed)
 
 
 def widen(rope: RopeCols) -> RopeCols:
@@ -60,12 +64,26 @@ def test_rope_cols_is_checked():
     pos, tab = torch.zeros(3, dtype=torch.int64), torch.zeros(4, 4)
     for bad, match in [(dict(cols=12), "whole heads"), (dict(q_cols=24), "whole heads"),
                        (dict(q_norm=torch.ones(8)), "come together"), (dict(positions=pos.int()), "int64"),
-                       (dict(cos=torch.zeros(4, 3)), "cos/sin")]:
+                       (dict(cos=torch.zeros(4, 3)), "cos/sin"), (dict(packed=tab), "packed"),
+                       (dict(packed=torch.zeros(4, 3, dtype=torch.int32)), "packed")]:
         args = dict(positions=pos, cos=tab, sin=tab, head_dim=8, cols=16, q_cols=8) | bad
         with pytest.raises(ValueError, match=match):
             RopeCols(**args)
     with pytest.raises(ValueError, match="rows"):
         rope_cols(torch.zeros(5, 32), RopeCols(pos, tab, tab, 8, 16, 8))
+
+
+def test_pack_rope_holds_the_tables():
+    """Each word: bf16 cos in the low half, bf16 sin in the high half, so a shift or a mask gives the fp32 value
+    back (gluon_rope.py); tables that are not bf16 values are refused, not rounded behind the caller's back."""
+    cos, sin, packed = rope_tables(300, 64, torch.bfloat16, "cpu")
+    assert packed.dtype == torch.int32 and packed.shape == cos.shape
+    assert torch.equal((packed << 16).view(torch.float32), cos)
+    assert torch.equal((packed & -65536).view(torch.float32), sin)
+    assert (sin < 0).any() and (cos < 0).any()  # sign bits in both halves
+    exact, _, _ = rope_tables(300, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="bf16"):
+        reference.pack_rope(exact, sin)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
@@ -127,6 +145,29 @@ def test_gemm_epilogue_rope_is_the_pass(shape, cols):
         assert lora_gemm_ws.rope_ok(rope) and lora_gemm_ws.usable(case["x"], case["W"], out, None, case["B"])
         plain = lora_gemm(**case, out_dtype=torch.bfloat16, config={"TMA": True, "PERSISTENT": True})
         assert torch.equal(out, rope_cols(plain, rope)), f"M={M} {shape} {cols}"
+        unpacked = replace(rope, packed=None)  # without packed tables the pass rotates: the same rows
+        assert not lora_gemm_ws.rope_ok(unpacked)
+        assert torch.equal(lora_gemm(**case, out_dtype=torch.bfloat16, rope=unpacked), out)
         same = reference.lora_gemm(**case, out_dtype=torch.bfloat16, rope=rope)
         ref64 = reference.lora_gemm(**up64(case), out_dtype=torch.float64, rope=rope)
         check(out, same, ref64, f"epilogue rope M={M} {shape} {cols}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decoder_rope_tables_follow_the_dtype(dtype):
+    """Decoder.rope_tables: fp64 angles, cos/sin rounded to the activations' dtype as HF rounds them, and for
+    bf16 the packed tables the GEMM's epilogue reads; grown on demand, the values never depend on the size."""
+    from policyscan.engine.config import ModelConfig, RopeConfig, inv_freq
+    from policyscan.engine.model import Decoder
+    cfg = ModelConfig("llama", 64, 96, 1, 4, 2, 16, 100, 1e-5, RopeConfig(10000.0), True)
+    dec = Decoder(cfg, torch.zeros(100, 64, dtype=dtype), [], torch.ones(64), reference, lambda ids: None)
+    cos, sin, packed = dec.rope_tables(10)
+    ang = torch.outer(torch.arange(cos.shape[0], dtype=torch.float64), inv_freq(cfg))
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (4096, 8)
+    assert torch.equal(cos, ang.cos().to(dtype).float()) and torch.equal(sin, ang.sin().to(dtype).float())
+    if dtype == torch.bfloat16:
+        assert torch.equal(packed, reference.pack_rope(cos, sin))
+    else:
+        assert packed is None
+    bigger = dec.rope_tables(5000)
+    assert bigger[0].shape[0] == 5000 and torch.equal(bigger[0][:4096], cos)
