@@ -227,7 +227,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     R = 0
     if s is not None:
         R = s.shape[1]
-        if s.dtype != torch.float32 or s.shape[0] != M or B.shape[1:] != (N, R) or B.stride(2) != 1:
+        if s.dtype not in (torch.float32, B.dtype) or s.shape[0] != M or B.shape[1:] != (N, R) or B.stride(2) != 1:
             raise ValueError(f"s {tuple(s.shape)} {s.dtype} / B {tuple(B.shape)} do not fit M={M}, N={N}")
         if token_adapter.dtype != torch.int32 or token_adapter.numel() != M:
             raise ValueError("token_adapter must be int32 [M]")

@@ -186,11 +186,12 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     if out is None:
         h = torch.empty((M, K), dtype=torch.float8_e4m3fn if quant else x.dtype, device=x.device)
         hs = torch.empty(M, dtype=torch.float32, device=x.device) if quant else None
-        s = torch.empty((M, R), dtype=torch.float32, device=x.device) if A is not None else None
+        s = torch.empty((M, R), dtype=A.dtype, device=x.device) if A is not None else None
     else:
         h, hs, s = out
-        if h.shape != (M, K) or h.stride(1) != 1 or (hs is None) == quant or (s is None) != (A is None):
-            raise ValueError("out (h, h_scale, s) does not fit this call")
+        if (h.shape != (M, K) or h.stride(1) != 1 or (hs is None) == quant or (s is None) != (A is None)
+                or (s is not None and (s.shape != (M, R) or s.dtype != A.dtype))):
+            raise ValueError("out (h, h_scale, s) does not fit this call (s: [M, R] in A's dtype)")
     use_amax = x_amax is not None and quant
     if use_amax and (x_amax.dim() != 2 or x_amax.shape[1] != M or x_amax.dtype != torch.float32
                      or (x_amax.stride(1) != 1 and M > 1)):  # [P, 1] from .contiguous() keeps any stride

@@ -91,7 +91,8 @@ def test_prologue(device, feed, kind):
             args = (x, w, 1e-5, (A.float() * w.float()).to(dtype) if fold else A, ad, quant)
             nan = float("nan")
             out = (torch.full((M, K), nan, device=device).to(torch.float8_e4m3fn if quant else dtype),
-                   torch.full((M,), nan, device=device) if quant else None, torch.full((M, r), nan, device=device))
+                   torch.full((M,), nan, device=device) if quant else None,
+                   torch.full((M, r), nan, device=device).to(dtype))  # s in A's dtype (reference.prologue)
             what = f"prologue {kind} {feed} M={M} K={K} r={r} {dtype} quant={quant}"
             if feed == "tma" and quant:
                 u = x.float() * w.float() if w is not None else x.float()
@@ -111,7 +112,25 @@ def test_prologue(device, feed, kind):
                 k_order = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * shrink_in_k_order(x, args[3], ad)
             else:  # the shrink reads the 16-bit normed row (or x)
                 k_order = shrink_in_k_order(reference.rmsnorm(x, w, 1e-5) if w is not None else x, A, ad)
-            check(s, further_from(e64[2], rs, k_order), e64[2], what + " s", factor=4.0)
+            assert s.dtype == rs.dtype == A.dtype, what
+            check(s, further_from(e64[2], rs, k_order.to(dtype)), e64[2], what + " s", factor=4.0)
+
+
+def test_prologue_s_is_in_the_adapters_dtype():
+    """s leaves the prologue in A's dtype, the expand's operand dtype (reference.prologue); an `out` whose s
+    has another dtype or shape is refused, not written through a cast the GEMM would not expect."""
+    g = gen()
+    x = torch.randn(6, 32, generator=g)
+    ad = torch.zeros(6, dtype=torch.int32)
+    A, _ = lora_stack(2, 4, 1, 32, torch.float32, g, "cpu")
+    for quant in (False, True):
+        _, _, rs = reference.prologue(x.bfloat16(), None, 1e-5, A.bfloat16(), ad, quant)
+        assert rs.dtype == torch.bfloat16
+    h = torch.empty(6, 32)
+    for bad in (torch.empty(6, 4, dtype=torch.bfloat16), torch.empty(6, 5)):
+        with pytest.raises(ValueError, match="A's dtype"):
+            prologue(x, None, 1e-5, A, ad, False, out=(h, None, bad))
+    assert prologue(x, None, 1e-5, A, ad, False)[2].dtype == torch.float32
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
