@@ -9,9 +9,10 @@ Why in the GEMM: a pass over k cost 0.8 ms a layer of W1's plan, and the attenti
 Why in registers: in wgmma's accumulator layout a thread holds column n and its rotate-half partner n + HALF
 (both bit patterns differ in a register-index bit), so the rotation is a renaming of registers, with no round
 trip through shared memory (run 124: within the noise end to end, 136 fewer instructions a tile and thread).
-Why packed tables (reference.pack_rope: bf16 cos and sin in one int32 word): the rope's cost at the 700 W cap
-is its table loads and arithmetic; no rotation at all ran W1 2.1% faster (run 141), and the packed tables,
-half the bytes and 32 instead of 64 8-byte loads a thread and tile (SASS for sm_90a), gave 0.8% of it back.
+Why packed tables (reference.pack_rope: fp16 cos and sin in one int32 word): the rope's cost at the 700 W cap
+is its table loads and arithmetic; no rotation at all ran W1 2.1% faster (run 141), and packed tables, half
+the bytes and 32 instead of 64 8-byte loads a thread and tile (SASS for sm_90a), gave 0.8% of it back (run 141
+measured bf16 halves; fp16's are as many instructions, an HADD2.F32 a value where bf16 took a shift or a mask).
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def rope_regs(out, off_m, off_n, M, pos_ptr, cs_ptr, rope_cols, HALF: gl.constex
     pos = gl.load(pos_ptr + rows, mask=rows < M, other=0)
     tab = pos[:, None] * HALF + (k // NH)[None, :]
     cs = gl.load(cs_ptr + tab)
-    c = (cs << 16).to(gl.float32, bitcast=True)  # bf16 -> fp32 is a shift: the table's values exactly
-    s = (cs & -65536).to(gl.float32, bitcast=True)
+    c = cs.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)  # the low half, then the high half
+    s = (cs >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
     a = bf16_to_f32(x1)  # fast_math.py's packed conversions: the same bits as .to()
     b = bf16_to_f32(x2)
     y1 = to_bf16(gl.fma(a, c, -(b * s)))

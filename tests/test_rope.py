@@ -17,10 +17,12 @@ from policyscan.kernels.rope import rope_cols  # noqa: E402
 
 
 def rope_tables(positions: int, D: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """cos, sin rounded to dtype (as Decoder.rope_tables), and packed for bf16."""
+    """cos, sin as Decoder.rope_tables makes them for an FP8 engine at 16 bits (fp16 values, packed; the GEMM
+    tests' FP8 batches), fp32 otherwise."""
     ang = torch.outer(torch.arange(positions, dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
-    cos, sin = (t.to(dtype).float().to(device) for t in (ang.cos(), ang.sin()))
-    return cos, sin, reference.pack_rope(cos, sin) if dtype == torch.bfloat16 else None
+    half = dtype.itemsize == 2
+    cos, sin = ((t.half() if half else t).float().to(device) for t in (ang.cos(), ang.sin()))
+    return cos, sin, reference.pack_rope(cos, sin) if half else None
 
 
 def head_norms(D: int, dtype, g, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,15 +76,15 @@ def test_rope_cols_is_checked():
 
 
 def test_pack_rope_holds_the_tables():
-    """Each word: bf16 cos in the low half, bf16 sin in the high half, so a shift or a mask gives the fp32 value
-    back (gluon_rope.py); tables that are not bf16 values are refused, not rounded behind the caller's back."""
+    """Each word: fp16 cos in the low half, fp16 sin in the high half (gluon_rope.py unpacks them so); tables
+    that are not fp16 values are refused, not rounded behind the caller's back."""
     cos, sin, packed = rope_tables(300, 64, torch.bfloat16, "cpu")
     assert packed.dtype == torch.int32 and packed.shape == cos.shape
-    assert torch.equal((packed << 16).view(torch.float32), cos)
-    assert torch.equal((packed & -65536).view(torch.float32), sin)
+    halves = packed.view(torch.float16).view(300, 32, 2)  # little-endian: the low half first
+    assert torch.equal(halves[..., 0].float(), cos) and torch.equal(halves[..., 1].float(), sin)
     assert (sin < 0).any() and (cos < 0).any()  # sign bits in both halves
     exact, _, _ = rope_tables(300, 64, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(ValueError, match="fp16"):
         reference.pack_rope(exact, sin)
 
 
@@ -153,19 +155,24 @@ def test_gemm_epilogue_rope_is_the_pass(shape, cols):
         check(out, same, ref64, f"epilogue rope M={M} {shape} {cols}")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decoder_rope_tables_follow_the_dtype(dtype):
-    """Decoder.rope_tables: fp64 angles, cos/sin rounded to the activations' dtype as HF rounds them, and for
-    bf16 the packed tables the GEMM's epilogue reads; grown on demand, the values never depend on the size."""
+@pytest.mark.parametrize("fp8", [True, False])
+def test_decoder_rope_tables_follow_the_engine(fp8):
+    """Decoder.rope_tables: fp64 angles; with FP8 activations rounded to fp16 and packed for the qkv GEMM's
+    epilogue, exact fp32 otherwise; grown on demand, the values never depend on the size."""
+    from types import SimpleNamespace
+
     from policyscan.engine.config import ModelConfig, RopeConfig, inv_freq
     from policyscan.engine.model import Decoder
     cfg = ModelConfig("llama", 64, 96, 1, 4, 2, 16, 100, 1e-5, RopeConfig(10000.0), True)
-    dec = Decoder(cfg, torch.zeros(100, 64, dtype=dtype), [], torch.ones(64), reference, lambda ids: None)
+    layer = SimpleNamespace(qkv=SimpleNamespace(quantized=fp8))
+    dec = Decoder(cfg, torch.zeros(100, 64, dtype=torch.bfloat16), [layer], torch.ones(64), reference,
+                  lambda ids: None)
     cos, sin, packed = dec.rope_tables(10)
     ang = torch.outer(torch.arange(cos.shape[0], dtype=torch.float64), inv_freq(cfg))
+    rnd = torch.float16 if fp8 else torch.float32
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (4096, 8)
-    assert torch.equal(cos, ang.cos().to(dtype).float()) and torch.equal(sin, ang.sin().to(dtype).float())
-    if dtype == torch.bfloat16:
+    assert torch.equal(cos, ang.cos().to(rnd).float()) and torch.equal(sin, ang.sin().to(rnd).float())
+    if fp8:
         assert torch.equal(packed, reference.pack_rope(cos, sin))
     else:
         assert packed is None
