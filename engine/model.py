@@ -9,7 +9,7 @@ import torch
 
 from .batch import PackedBatch, pack
 from .config import ModelConfig, inv_freq
-from ..kernels.reference import AttnShape, PrefixKV, RopeCols, pack_rope
+from ..kernels.reference import AttnShape, PrefixKV, RopeCols, rope_tables
 from .layers import DenseLoraLinear
 
 
@@ -43,16 +43,16 @@ class Decoder:
 
     def rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """cos/sin [P, head_dim/2] fp32 covering positions < max_pos, computed in fp64. Grown on demand.
-        With FP8 activations (W8A8) rounded to fp16 and packed (pack_rope) for the qkv GEMM's epilogue: e4m3's
-        per-token rounding (2^-4) dwarfs fp16's (2^-12), and test_gpu_engine's FP8 bounds held (run 148). A bf16 engine
-        keeps exact tables: with fp16 ones its max |dp| against HF fp64 grew 1.5-2.2x on test_gpu_engine's models
-        (30 sequences: llama 1.75e-3 -> 2.61e-3, qwen2 2.04e-3 -> 4.52e-3; session 29, bench/NOTES.md)."""
+        With FP8 activations (W8A8) rounded to fp16 and packed (reference.rope_tables) for the qkv GEMM's
+        epilogue: e4m3's per-token rounding (2^-4) dwarfs fp16's (2^-12). A bf16 engine keeps exact tables: with
+        fp16 ones its max |dp| against HF fp64 grew 1.5-2.2x on test_gpu_engine's models (30 sequences: llama
+        1.75e-3 -> 2.61e-3, qwen2 2.04e-3 -> 4.52e-3; runs 148-149, bench/NOTES.md)."""
         if self._rope_cache is None or self._rope_cache[0] < max_pos:
             size = max(max_pos, 4096)
             ang = torch.outer(torch.arange(size, dtype=torch.float64), inv_freq(self.cfg))
             fp8 = bool(self.layers) and self.layers[0].qkv.quantized
-            cos, sin = ((t.half() if fp8 else t).float().contiguous().to(self.device) for t in (ang.cos(), ang.sin()))
-            self._rope_cache = (size, cos, sin, pack_rope(cos, sin) if fp8 else None)
+            tables = rope_tables(ang, packed=fp8)  # on the CPU, then moved: the same bits on every device
+            self._rope_cache = (size, *(t.to(self.device) if t is not None else None for t in tables))
         return self._rope_cache[1:]
 
     def forward(self, batch: PackedBatch, prefix: PrefixCache | None = None,

@@ -95,11 +95,11 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: t
     folded into the row scale: u = x * w (exact in fp32), (u8, scale) = quantize_rows(u),
     returns (u8, scale * rstd, rstd * lora_shrink(x, A)), rstd = 1/sqrt(mean(x^2) + eps), where A carries the
     norm's weight (A * w, rounded once: layers.Fp8LoraLinear folds it when the adapters are attached).
+    Then the scale is known before the norm's sum of squares, so the kernel sweeps x once, and its shrink
+    reads x as loaded.
     s is rounded to A's dtype, the expand's operand dtype (lora_gemm rounds s to B's, which is A's): the
     rounding the GEMM did, done once where s is written, so every GEMM tile reads half the bytes for the same
     bits (W1 +0.67%, f bitwise the same, run 143).
-    Then the scale is known before the norm's sum of squares, so the kernel sweeps x once, and its shrink
-    reads x as loaded.
     x_amax: partial row maxima of |u| [P, M] from the kernel that wrote x (row_amax of lora_gemm and
     varlen_attention): their max is amax(|u|) exactly, so it replaces the quantizer's own sweep. tma picks how
     the GPU kernel streams x (kernels/prologue.py); the semantics are the same, so it is ignored here."""
@@ -255,6 +255,13 @@ class RopeCols:
                        q_cols=min(self.q_cols, split))
         tail = replace(self, cols=max(self.cols - split, 0), q_cols=max(self.q_cols - split, 0))
         return head, tail
+
+
+def rope_tables(ang: torch.Tensor, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """cos/sin [P, D/2] fp32 of the fp64 angles ang [P, D/2]; packed: rounded to fp16 first, and also packed
+    (pack_rope) for the Gluon GEMM's epilogue (Decoder.rope_tables says which engines take that)."""
+    cos, sin = ((t.half() if packed else t).float().contiguous() for t in (ang.cos(), ang.sin()))
+    return cos, sin, pack_rope(cos, sin) if packed else None
 
 
 def pack_rope(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

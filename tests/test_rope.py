@@ -20,9 +20,7 @@ def rope_tables(positions: int, D: int, dtype, device) -> tuple[torch.Tensor, to
     """cos, sin as Decoder.rope_tables makes them for an FP8 engine at 16 bits (fp16 values, packed; the GEMM
     tests' FP8 batches), fp32 otherwise."""
     ang = torch.outer(torch.arange(positions, dtype=torch.float64), 1.0 / 500.0 ** (torch.arange(0, D, 2) / D))
-    half = dtype.itemsize == 2
-    cos, sin = ((t.half() if half else t).float().to(device) for t in (ang.cos(), ang.sin()))
-    return cos, sin, reference.pack_rope(cos, sin) if half else None
+    return tuple(t.to(device) if t is not None else None for t in reference.rope_tables(ang, dtype.itemsize == 2))
 
 
 def head_norms(D: int, dtype, g, device) -> tuple[torch.Tensor, torch.Tensor]:
