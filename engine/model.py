@@ -113,8 +113,7 @@ class Decoder:
             else:
                 h, h_amax = layer.down.with_amax(act, tok_ad, residual=h, x_amax=act_amax,
                                                  next_norm=self.layers[i + 1].qkv.prologue.norm_weight)
-        hn = ops.rmsnorm(h, self.norm, cfg.rms_eps).float()
-        return (hn * self.head[batch.seq_adapter.long()]).sum(-1)
+        return ops.head(h, self.norm, cfg.rms_eps, self.head, batch.seq_adapter)
 
     def prefill_prefixes(self, prefixes: list[list[int]]) -> PrefixCache | None:
         """Run each policy's fixed prompt head ([BOS] + prefix) once with its adapter and keep every layer's

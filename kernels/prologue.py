@@ -148,9 +148,11 @@ def _prologue_kernel(
             rk = k * BK + tl.arange(0, BK)
             h, ss = _out_chunk(x_ptr, nw_ptr, h_ptr, rm, m_ok, rk, K, stride_xm, stride_hm, scale, inv, rstd, ss,
                                NORM, QUANT, FAST)
-            if HAS_LORA:
-                for a_id in range(lo, hi + 1):
+            if HAS_LORA:  # the adapters present only, in a loop never pipelined (as lora_gemm's expand)
+                a_id = lo
+                while a_id <= hi:
                     sacc = _shrink_chunk(h, sacc, a_ptr, a_id, ad, rr, rk, R, K, stride_an, stride_ar, PREC)
+                    a_id = tl.min(tl.where(ad > a_id, ad, 2147483647), axis=0)
     if QUANT:
         if NORM:  # rmsnorm(x) * w = rstd * u: rstd goes into the row scale and the shrink
             rstd = 1.0 / tl.sqrt(ss / K + eps)

@@ -65,6 +65,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return row_blocks(norm, x)
 
 
+def head(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, head_rows: torch.Tensor,
+         seq_adapter: torch.Tensor) -> torch.Tensor:
+    """Semantics: f = (rmsnorm(h, w, eps).float() * head_rows[seq_adapter]).sum(-1), fp32; 0 for adapter -1."""
+    ad = seq_adapter.long()
+    rows = head_rows[ad.clamp(min=0)] * (ad >= 0)[:, None]
+    return (rmsnorm(h, norm_weight, eps).float() * rows).sum(-1)
+
+
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row e4m3 quantization: x8 = x / scale with scale = amax(|row|) / 448, at least 2^-126 (the smallest
     normal fp32, whose reciprocal the GPU prologue multiplies by), and 1 for an all-zero row; `amax` [M], when

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from .attention import varlen_attention
+from .head import head
 from .lora_gemm import lora_gemm
 from .prologue import prologue
-from .reference import rmsnorm  # the final norm, on last tokens only: small, left to torch
 
-__all__ = ["lora_gemm", "prologue", "rmsnorm", "varlen_attention"]
+__all__ = ["head", "lora_gemm", "prologue", "varlen_attention"]

@@ -120,3 +120,42 @@ def hf_scores(model_dir: Path, policy_dirs: list[Path], seqs: list[list[int]], a
             out.append(logits[v] - logits[c])
     del model, base
     return torch.stack(out)
+
+
+def write_policies(root: Path, cfg, n: int, seed: int = 0, template: dict | None = None) -> list[Path]:
+    """n PEFT LoRA bundles written straight as safetensors (hundreds in seconds, where get_peft_model takes a
+    second each): ranks cycle through 1-32, some on all seven projections, some on a few; random A and B."""
+    from safetensors.torch import save_file
+
+    ranks = (16, 1, 8, 32, 5, 16, 3, 24)
+    shapes = {"q_proj": (cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size),
+              "k_proj": (cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size),
+              "v_proj": (cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size),
+              "o_proj": (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim),
+              "gate_proj": (cfg.intermediate_size, cfg.hidden_size),
+              "up_proj": (cfg.intermediate_size, cfg.hidden_size),
+              "down_proj": (cfg.hidden_size, cfg.intermediate_size)}
+    g = torch.Generator().manual_seed(seed)
+    dirs = []
+    for i in range(n):
+        r = ranks[i % len(ranks)]
+        targets = ALL if i % 3 else ("q_proj", "v_proj", "down_proj")
+        tensors = {}
+        for layer in range(cfg.num_hidden_layers):
+            for proj in targets:
+                out, k = shapes[proj]
+                block = "self_attn" if proj[0] in "qkvo" else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{block}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(r, k, generator=g) * k ** -0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=g) * 0.5 * r ** -0.5
+        d = root / f"pol{i:03d}"
+        d.mkdir(parents=True)
+        save_file(tensors, d / "adapter_model.safetensors")
+        (d / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(targets),
+            "use_rslora": False, "fan_in_fan_out": False, "bias": "none"}))
+        (d / "policy.json").write_text(json.dumps({
+            "name": f"pol{i:03d}", "labels": {"compliant": " Compliant", "violation": " Violation"},
+            **({"template": template} if template else {})}))
+        dirs.append(d)
+    return dirs
