@@ -74,14 +74,13 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         rr = tl.arange(0, BR)
         s = tl.load(s_ptr + rm[:, None] * stride_sm + rr[None, :], mask=m_ok[:, None] & (rr[None, :] < R), other=0.0)
         s = s.to(b_ptr.dtype.element_ty)
-        # Rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows per adapter,
-        # visiting only the adapters present (as gluon_expand). Never software-pipelined: Triton 3.6 pipelined this
-        # loop wrongly, rows of tiles across adapters differing run to run (bf16 gate_up at 65k rows: ~800 rows
-        # a call, bench/determinism.py trace) and at a stacked rank of 64 off by up to 7e3.
-        a_id = lo
-        while a_id <= hi:
+        # Rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows per adapter.
+        # Never software-pipelined: Triton 3.6 pipelined this loop wrongly, rows of tiles across adapters moving
+        # run to run (bf16 gate_up at 65k rows: ~800 rows a call, bench/determinism.py trace) and, at a stacked
+        # rank of 64, off by up to 7e3. A while loop over the present ids only (as gluon_expand) was deterministic
+        # end to end but failed two explicit-feed GPU kernel tests (cause not established): a plain range here.
+        for a_id in tl.range(lo, hi + 1, num_stages=1):
             acc = _expand(acc, s, ad == a_id, b_ptr + a_id * stride_bn_a, rn, rr, n_ok, R, stride_bn, PREC)
-            a_id = tl.min(tl.where(ad > a_id, ad, big), axis=0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0)[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
