@@ -1,4 +1,4 @@
-"""E2E (BENCH.md): a workload from a Parquet file of text through `policyscan score` to the output Parquet,
+"""E2E (docs/performance.md): a workload from a Parquet file of text through `policyscan score` to the output Parquet,
 against the engine figure (the same model, policies and prompts as token ids, Engine.score_conversations) in
 the same run.
 

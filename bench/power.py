@@ -2,8 +2,8 @@
 
     python bench/power.py            # sustained (CUDA-graph loops, 2 s each) GEMM rates at W1's and W4's shapes
 
-Why (runs 35-37, bench/NOTES.md): the H200's FP8 GEMMs run into its 700 W cap within a second and clock
-down to ~1400 MHz, so the burst rates of short timings (the 1238-1462 TF/s of BENCH.md's ceiling) overstate
+Why (docs/performance.md): the H200's FP8 GEMMs run into its 700 W cap within a second and clock
+down to ~1400 MHz, so the burst rates of short timings (the 1238-1462 TF/s of burst timings) overstate
 what a whole W1 pass can sustain, and a kernel that only gets faster without spending less energy hands its
 gain to the GEMMs' clock. Every benchmark reports its mean power, SM clock and power-capped share.
 """

@@ -1,4 +1,4 @@
-"""Benchmarks on the GPU, HF + PEFT baseline in the same run (BENCH.md).
+"""Benchmarks on the GPU, HF + PEFT baseline in the same run (docs/performance.md).
 
     python bench/run.py --workloads W1,W3,W4 --baseline W1,W4 --gemm --out $OUT/bench.json
 
@@ -27,7 +27,7 @@ from policyscan.engine.runner import EngineSettings  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402
 
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: a dry run of this script
-FP8_TFLOPS = (1238.0, 1462.0)  # measured torch._scaled_mm rates on this H200 (DESIGN.md)
+FP8_TFLOPS = (1238.0, 1462.0)  # measured torch._scaled_mm rates on this H200 (docs/performance.md)
 
 
 def sync() -> None:
@@ -97,7 +97,7 @@ def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, g
 def bench_hf(name: str, bs: int = 32, bf16_adapters: bool = True) -> dict:
     """HF + PEFT per-policy loop (set_adapter), length-sorted batches, left padding, logits_to_keep=1.
     PEFT keeps the adapters of a bf16 model in fp32 by default (autocast_adapter_dtype); cast to bf16 the
-    loop ran 1.56x faster on W1 (35.9k vs 23.0k tok/s, run 11), BENCH.md's 37.4k: that is the baseline."""
+    loop ran 1.56x faster on W1 (35.9k vs 23.0k tok/s, run 11): that is the baseline."""
     w = WORKLOADS[name]
     cfg = shape(w.model)
     model = hf_peft_model(cfg, w.adapters)

@@ -1,7 +1,7 @@
 """Tile-shape sweep for the three kernels at W1's shapes (16384-token batches), CUDA-graph timed.
 
     python bench/sweep.py
-Prints, per kernel and shape, each config's time and the best; results go in bench/NOTES.md."""
+Prints, per kernel and shape, each config's time and the best; the findings that matter go to docs/performance.md."""
 from __future__ import annotations
 
 import itertools
@@ -248,7 +248,7 @@ def sweep_attention(baseline=None) -> None:
 def sweep_attention_lib() -> None:
     """Ours against PyTorch's FlashAttention-2 varlen forward on the same batch: time, agreement, and whether
     a sequence's rows stay bitwise the same when it is scored with half the batch (batch invariance).
-    DESIGN.md allows a library kernel where it is as fast and batch-invariant; the engine would still need
+    A library kernel is allowed where it is as fast and batch-invariant; the engine would still need
     the cached prefix rows gathered in front of each sequence, which ours reads in place."""
     lens, cu, qkv, fl = _attn_batch()
     fl *= 24 * 128

@@ -1,4 +1,4 @@
-"""BENCH.md workloads: random-weight decoders of the W1/W4 shapes and seeded prompt lengths.
+"""The workloads of docs/performance.md: random-weight decoders of the W1/W4 shapes and seeded prompt lengths.
 
 Random weights are fine for speed (values don't change FLOPs); everything is seeded."""
 from __future__ import annotations

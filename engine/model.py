@@ -46,7 +46,7 @@ class Decoder:
         With FP8 activations (W8A8) rounded to fp16 and packed (reference.rope_tables) for the qkv GEMM's
         epilogue: e4m3's per-token rounding (2^-4) dwarfs fp16's (2^-12). A bf16 engine keeps exact tables: with
         fp16 ones its max |dp| against HF fp64 grew 1.5-2.2x on test_gpu_engine's models (30 sequences: llama
-        1.75e-3 -> 2.61e-3, qwen2 2.04e-3 -> 4.52e-3; runs 148-149, bench/NOTES.md)."""
+        1.75e-3 -> 2.61e-3, qwen2 2.04e-3 -> 4.52e-3)."""
         if self._rope_cache is None or self._rope_cache[0] < max_pos:
             size = max(max_pos, 4096)
             ang = torch.outer(torch.arange(size, dtype=torch.float64), inv_freq(self.cfg))

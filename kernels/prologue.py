@@ -6,7 +6,7 @@ A[token_adapter].T in fp32 (zeros for adapter -1). Quantizing, u = x * w (or x),
 carrying w, rstd = 1 / sqrt(mean(x^2) + eps): rmsnorm(x) * w = rstd * u, so the norm folds into the GEMM's row
 scale and into A (layers.Fp8LoraLinear).
 
-The shrink reads 16-bit activations, never the FP8 ones (DESIGN.md). One program owns BM rows and sweeps K
+The shrink reads 16-bit activations, never the FP8 ones (docs/design.md). One program owns BM rows and sweeps K
 in chunks. The FP8 scale needs amax |u| before the first write; the kernels that write every projection's
 input (attention, and the GEMM epilogues, times the next norm's weight) leave partial row maxima of what they
 stored (x_amax), whose max is that amax exactly, so a quantizing prologue sweeps its input once and sums the
