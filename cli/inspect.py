@@ -1,7 +1,8 @@
-"""policyscan inspect PATH: what a model directory, policy bundle, input or output file holds."""
+"""policyscan inspect PATH: what a model directory, policy bundle(s), input or output file holds."""
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import click
@@ -10,41 +11,83 @@ from ..engine.errors import InputError
 from ..engine.sinks import read_metadata
 from .common import friendly_errors
 
+BAD_LINES_SHOWN = 20
+
 
 @click.command("inspect")
 @click.argument("path", type=click.Path(exists=True))
 @friendly_errors
 def inspect_cmd(path: str) -> None:
-    """Describe PATH: a model directory, a policy bundle, a scores output (its metadata), or an input file."""
+    """Describe PATH: a model directory, a policy bundle or a folder of them, a scores output (its metadata),
+    or an input file (JSONL: its malformed lines with their line numbers)."""
     p = Path(path)
+    bundles = sorted(d for d in p.iterdir() if (d / "policy.json").is_file()) if p.is_dir() else []
     if p.is_dir() and (p / "policy.json").is_file():
-        from ..engine.policy import load_policy
-
-        pol = load_policy(p)
-        ranks = sorted({a.shape[0] for a, _ in pol.lora.factors.values()})
-        projs = sorted({proj for _, proj in pol.lora.factors})
-        click.echo(json.dumps({"policy": pol.name, "description": pol.description,
-                               "labels": [pol.compliant, pol.violation], "lora_ranks": ranks, "targets": projs,
-                               "calibration": pol.calibration, "threshold": pol.threshold,
-                               "adapter_sha256": pol.adapter_sha256}, indent=2, default=str))
+        _echo(_policy(p))
+    elif p.is_dir() and not (p / "config.json").is_file() and bundles:
+        _echo({"policies": [_policy(d) for d in bundles]})
     elif p.is_dir():
         from ..engine.checkpoint import Checkpoint
 
         ck = Checkpoint.open(p)
-        click.echo(json.dumps({"model": str(p), "fp8": ck.fp8, **ck.config.__dict__,
-                               "rope": ck.config.rope.__dict__, "tensors": len(ck.files)}, indent=2, default=str))
+        _echo({"model": str(p), "fp8": ck.fp8, **ck.config.__dict__, "rope": ck.config.rope.__dict__,
+               "tensors": len(ck.files)})
+    elif (meta := read_metadata(p)) is not None:
+        _echo(meta)
+    elif p.name.endswith(".parquet"):
+        _echo(_parquet(p))
     else:
-        meta = read_metadata(p)
-        if meta is not None:
-            click.echo(json.dumps(meta, indent=2, default=str))
-            return
-        import polars as pl
+        _echo(_jsonl(p))
 
-        try:
-            lf = pl.scan_parquet(p) if p.name.endswith(".parquet") else pl.scan_ndjson(p)
-            schema = lf.collect_schema()
-            rows = lf.select(pl.len()).collect().item()
-        except Exception as e:  # polars raises many error types for unreadable files
-            raise InputError(f"{p}: cannot read as Parquet or JSONL ({e})") from e
-        click.echo(json.dumps({"file": str(p), "rows": rows, "columns": {k: str(v) for k, v in schema.items()}},
-                              indent=2))
+
+def _echo(obj: dict) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def _policy(d: Path) -> dict:
+    from ..engine.policy import load_policy
+
+    pol = load_policy(d)
+    ranks = sorted({a.shape[0] for a, _ in pol.lora.factors.values()})
+    return {"policy": pol.name, "path": str(d), "description": pol.description,
+            "labels": [pol.compliant, pol.violation], "lora_ranks": ranks,
+            "targets": sorted({proj for _, proj in pol.lora.factors}), "calibration": pol.calibration,
+            "threshold": pol.threshold, "adapter_sha256": pol.adapter_sha256}
+
+
+def _parquet(p: Path) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(p)
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"{p}: not a readable Parquet file ({e}); is it truncated?") from e
+    return {"file": str(p), "rows": pf.metadata.num_rows, "row_groups": pf.num_row_groups,
+            "columns": {f.name: str(f.type) for f in pf.schema_arrow}}
+
+
+def _jsonl(p: Path) -> dict:
+    """Rows, the fields seen with their JSON types, and the lines that are not JSON objects."""
+    from ..engine.jsonl import parsed_lines
+
+    rows, line_no, bad, columns = 0, 0, [], {}
+    try:
+        for (line_no, obj, reason), _ in parsed_lines(p):
+            rows += 1
+            if obj is None:
+                bad.append({"line": line_no, "reason": reason})
+            for k, v in (obj or {}).items():
+                columns.setdefault(k, set()).add(_json_type(v))
+    except (OSError, EOFError, zlib.error) as e:
+        raise InputError(f"{p}: unreadable after line {line_no} ({e}); is it truncated?") from e
+    out = {"file": str(p), "rows": rows, "columns": {k: " | ".join(sorted(t)) for k, t in columns.items()},
+           "bad_lines": len(bad)}
+    if bad:
+        out["first_bad_lines"] = bad[:BAD_LINES_SHOWN]
+    return out
+
+
+def _json_type(v) -> str:
+    names = {str: "string", bool: "boolean", int: "number", float: "number", list: "array", dict: "object"}
+    return "null" if v is None else names[type(v)]

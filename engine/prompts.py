@@ -7,6 +7,10 @@ on probe texts, and any tokenizer it refuses falls back to `tokenizers`.
 from __future__ import annotations
 
 import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +19,7 @@ from tokenizers import Tokenizer
 from .errors import CheckpointError, PolicyError
 from .policy import Policy
 
+RENDER_SECONDS = 2.0  # one conversation's chat template rendering, far above any real template's need
 PROBES = ["Hello, world!", "  leading spaces\tand\ttabs\n\nnew lines  ", "Ünïcödé — 中文 ✓ 😀 émoji",
           "user: my SSN is 123-45-6789.\nassistant: I can't store that.", "numbers 3.14159 and 1,000,000",
           "<|begin_of_text|>not special here?", "'s 're 've 'll don't CAPS MiXeD", ""]
@@ -35,6 +40,7 @@ class TextEncoder:
         self.bos: int | None = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
         cfg_path = model_dir / "tokenizer_config.json"
         self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.chat_template = ChatTemplate.from_config(self.tokenizer_config, str(cfg_path))
         self.backend = "gigatoken" if self.fast is not None else "tokenizers"
         self.fast_texts = 0  # texts gigatoken encoded (and was trusted with) so far
 
@@ -62,7 +68,7 @@ class TextEncoder:
 
     def render(self, messages: list[dict]) -> str:
         """A messages list as text, through the model's chat template."""
-        return render_messages(messages, None, self.tokenizer_config)
+        return self.chat_template.render(messages)
 
     def single_token(self, label: str, policy: Policy) -> int:
         ids = self.tok.encode(label, add_special_tokens=False).ids
@@ -126,30 +132,77 @@ class PromptBuilder:
 
 
 def render_messages(messages: list[dict], template: str | None, tokenizer_config: dict) -> str:
-    """A messages list -> text through a chat template in a sandboxed Jinja environment.
+    """A messages list -> text through a chat template (`template`, else the tokenizer config's)."""
+    config = tokenizer_config if template is None else {**tokenizer_config, "chat_template": template}
+    return ChatTemplate.from_config(config).render(messages)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A model's chat template, compiled once in a sandboxed Jinja environment (a syntax error is the
+    model's, reported when it loads), rendering each conversation within `seconds`.
 
     BOS is rendered empty: it is added as a token id, never through the text."""
-    if template is None:
-        template = tokenizer_config.get("chat_template")
-    if isinstance(template, list):  # some tokenizer_config.json files hold named templates
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if not template:
-        return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-    return _compile(template).render(messages=messages, bos_token="", add_generation_prompt=False,
-                                     eos_token=_token_str(tokenizer_config.get("eos_token")))
+
+    template: object | None  # a compiled jinja2 Template; None: no template, "role: content" lines
+    eos_token: str
+    seconds: float = RENDER_SECONDS
+
+    @classmethod
+    def from_config(cls, tokenizer_config: dict, where: str = "tokenizer_config.json") -> "ChatTemplate":
+        source = tokenizer_config.get("chat_template")
+        if isinstance(source, list):  # some tokenizer_config.json files hold named templates
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        return cls(_compile(source, where) if source else None, _token_str(tokenizer_config.get("eos_token")))
+
+    def render(self, messages: list[dict]) -> str:
+        if self.template is None:
+            return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+        with _time_limit(self.seconds):
+            return self.template.render(messages=messages, bos_token="", add_generation_prompt=False,
+                                        eos_token=self.eos_token)
 
 
 _TEMPLATES: dict[str, object] = {}
 
 
-def _compile(template: str):
+def _compile(template: str, where: str):
     if template not in _TEMPLATES:
+        from jinja2 import TemplateSyntaxError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        _TEMPLATES[template] = env.from_string(template)
+        try:
+            _TEMPLATES[template] = env.from_string(template)
+        except TemplateSyntaxError as e:
+            raise CheckpointError(f"{where}: the chat template does not compile (line {e.lineno} of the "
+                                  f"template: {e.message}); fix chat_template, or remove it to render messages "
+                                  "as 'role: content' lines") from e
     return _TEMPLATES[template]
+
+
+class RenderTimeout(Exception):
+    """A chat template that ran past its time on one conversation."""
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Stop template code that runs past `seconds`: a trace function on the template's own frames (Jinja
+    compiles it to Python named <template>) checks the clock on each line; other code runs untraced."""
+    end = time.monotonic() + seconds
+
+    def on_line(frame, event, arg):
+        if event == "line" and time.monotonic() > end:
+            raise RenderTimeout(f"rendering took over {seconds:g} s; does the chat template loop without end?")
+        return on_line
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: on_line if frame.f_code.co_filename == "<template>" else None)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 def _raise(message: str):

@@ -1,10 +1,19 @@
 """Prompt assembly and the tokenizer fast path."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
+import sys
+import time
 from pathlib import Path
 
+import pytest
+
+from policyscan.engine.errors import CheckpointError
 from policyscan.engine.policy import load_policy
 from policyscan.engine.prompts import PromptBuilder, TextEncoder
+from policyscan.engine.sources import ReadSpec, read_chunks
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 
@@ -68,3 +77,35 @@ def test_gigatoken_texts_are_checked_in_full_first_then_spot_checked():
         enc.fast = OneWrong()
         enc.fast.bad = bad
         assert (enc.encode_batch(texts, full_checks=3)[bad] != [1]) == caught and (enc.fast is None) == caught
+
+
+def _model_with_template(tmp_path, template: str) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SAMPLE / "model" / name, model / name)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    return model
+
+
+def test_chat_template_syntax_error_is_refused_when_the_tokenizer_loads(tmp_path):
+    model = _model_with_template(tmp_path, "{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    with pytest.raises(CheckpointError, match=r"tokenizer_config.json: the chat template does not compile "
+                                              r"\(line 2 of the template: .*\); fix chat_template"):
+        TextEncoder(model)
+
+
+def test_a_template_that_loops_without_end_costs_that_row_only(tmp_path):
+    loop = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"
+    model = _model_with_template(tmp_path, "{% for m in messages %}{% if m.content == 'loop' %}" + loop +
+                                 "{% endif %}<|{{ m.role }}|>{{ m.content }}{% endfor %}")
+    enc = TextEncoder(model)
+    enc.chat_template = dataclasses.replace(enc.chat_template, seconds=0.2)
+    src = tmp_path / "m.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": c}]}) for c in ("hi", "loop", "yo")))
+    t0, tracer = time.monotonic(), sys.gettrace()
+    chunk = next(read_chunks(src, ReadSpec(), enc.render))
+    assert time.monotonic() - t0 < 5 and sys.gettrace() is tracer  # the time limit's tracer is gone
+    assert chunk.texts == ["<|user|>hi", None, "<|user|>yo"]
+    assert chunk.lines[1] == 2 and "rendering took over 0.2 s; does the chat template loop" in chunk.errors[1]

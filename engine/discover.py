@@ -1,0 +1,114 @@
+"""Command-line inputs -> the files to read: files, directories and globs, each real file once.
+
+Directories and `**` globs follow directory links but enter each real directory once (a link loop
+ends there), and never pick up policyscan's own outputs, so `score arch -o arch/scores/` run every
+night reads only the logs."""
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from collections.abc import Callable, Iterator
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from .errors import InputError
+
+SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".ndjson", ".json")
+DIR_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".ndjson")  # what a directory contributes
+OUTPUT_SUFFIXES = (".scores.parquet", ".scores.jsonl", ".errors.jsonl", ".meta.json")  # what `score` writes
+
+
+def is_own_output(path: Path) -> bool:
+    """A scores, errors or metadata file that policyscan writes (by its name)."""
+    return path.name.endswith(OUTPUT_SUFFIXES)
+
+
+def expand_inputs(inputs: list[str], note: Callable[[str], None] | None = None) -> list[Path]:
+    """Files, directories (their supported files, sorted) and globs -> files, in the order given, each real
+    file once; `note` (default: stderr) hears of every file named again."""
+    note = note or _stderr
+    out: list[Path] = []
+    seen: dict[tuple[int, int], Path] = {}
+    for item in inputs:
+        for f in _expand(item):
+            key = _identity(f)
+            if key in seen:
+                note(f"policyscan: {f} is the same file as {seen[key]}; it is read once")
+                continue
+            seen[key] = f
+            out.append(f)
+    return out
+
+
+def _expand(item: str) -> list[Path]:
+    p = Path(item)
+    if p.is_dir():
+        found = sorted(f for f in walk_files(p) if f.name.endswith(DIR_SUFFIXES) and not is_own_output(f))
+        if not found:
+            raise InputError(f"{p}: directory holds no {', '.join(DIR_SUFFIXES)} files")
+        return found
+    if p.is_file():
+        return [p]
+    if any(c in item for c in "*?["):
+        found = sorted(f for f in _glob(item) if not is_own_output(f))
+        if not found:
+            raise InputError(f"{item}: the pattern matches no files (policyscan's own outputs are never inputs)")
+        return found
+    raise InputError(f"{item}: no such file or directory")
+
+
+def _glob(pattern: str) -> Iterator[Path]:
+    """Files matching `pattern`; `**` (any depth) walks like a directory, so link loops end."""
+    parts = Path(pattern).parts
+    if "**" not in parts:
+        yield from (Path(f) for f in glob.glob(pattern) if Path(f).is_file())
+        return
+    fixed = next(i for i, s in enumerate(parts) if glob.has_magic(s))
+    base, pats = Path(*parts[:fixed]) if fixed else Path("."), parts[fixed:]
+    if base.is_dir():
+        yield from (f for f in walk_files(base) if _match(f.relative_to(base).parts, pats))
+
+
+def _match(parts: tuple[str, ...], pats: tuple[str, ...]) -> bool:
+    """glob's rules: `**` is any number of directories, and wildcards skip names that start with a dot."""
+    if not pats:
+        return not parts
+    if pats[0] == "**":
+        return any(_match(parts[i:], pats[1:]) for i in range(len(parts) + 1)
+                   if not any(s.startswith(".") for s in parts[:i]))
+    if not parts or (parts[0].startswith(".") and not pats[0].startswith(".")):
+        return False
+    return fnmatchcase(parts[0], pats[0]) and _match(parts[1:], pats[1:])
+
+
+def walk_files(top: Path) -> Iterator[Path]:
+    """Every file under `top`, through directory links, entering each real directory once: real
+    directories first, so a file is named by its own path where it has one inside `top`."""
+    entered: set[tuple[int, int]] = set()
+    dirs, links = [top], []
+    while dirs or links:
+        d = dirs.pop() if dirs else links.pop()
+        key = _identity(d)
+        if key in entered:
+            continue
+        entered.add(key)
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name, reverse=True)
+        except OSError as e:
+            raise InputError(f"{d}: cannot list this directory ({e.strerror}); fix its permissions or leave it "
+                             "out") from e
+        for e in entries:
+            if e.is_dir():
+                (links if e.is_symlink() else dirs).append(Path(e.path))
+            elif e.is_file():
+                yield Path(e.path)
+
+
+def _identity(p: Path) -> tuple[int, int]:
+    st = os.stat(p)
+    return st.st_dev, st.st_ino
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)

@@ -1,0 +1,134 @@
+"""JSONL(.gz) -> chunks, line by line (polars and pyarrow lose exact line numbers on a malformed line).
+
+A byte that is not UTF-8 costs its own line only. The conversation column is picked
+from the keys of the whole first chunk, so a first line without it costs that line only."""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pyarrow as pa
+
+from .errors import InputError
+from .rows import Chunk, PartialFileError, ReadSpec, as_str, clip, conversation, pick_column, printable, surrogate
+
+_BAD_BYTE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a byte that is not UTF-8
+Parsed = tuple[int, dict | None, str | None]  # (line number, the object, or why the line is not one)
+
+
+def parsed_lines(path: Path) -> Iterator[tuple[Parsed, int]]:
+    """(parsed line, its length) for every non-blank line. A file that breaks (truncated gzip, a read
+    error) raises OSError, EOFError or zlib.error after the lines before it."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:  # bad bytes decode to U+DC80..U+DCFF (decoding stays in C) and are found line by line
+        f = opener(path, "rt", encoding="utf-8", errors="surrogateescape", newline="\n")
+    except OSError as e:
+        raise InputError(f"{path}: cannot open ({e})") from e
+    with f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():  # blank lines are not rows
+                yield (line_no, *parse_line(line)), len(line)
+
+
+def parse_line(line: str) -> tuple[dict | None, str | None]:
+    """(object, None) or (None, why this line is not a JSON object)."""
+    if not line.isascii() and (m := _BAD_BYTE.search(line)):
+        at = len(line[:m.start()].encode("utf-8", "surrogateescape")) + 1
+        byte = ord(m.group()) - 0xdc00
+        return None, f"invalid UTF-8 (byte 0x{byte:02x} at byte {at} of the line); the file must be UTF-8"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, f"malformed JSON ({e.msg} at column {e.colno})"
+    except RecursionError:
+        return None, "malformed JSON (nested too deeply to read)"
+    if not isinstance(obj, dict):
+        return None, f"line is a JSON {type(obj).__name__}, expected an object"
+    return obj, None
+
+
+def read_jsonl(path: Path, spec: ReadSpec, render: Callable[[list], str]) -> Iterator[Chunk]:
+    picked = (spec.text_column or spec.messages_column, spec.messages_column is not None) \
+        if spec.text_column or spec.messages_column else None
+    pending: list[Parsed] = []
+    row, line_no, chars = 0, 0, 0
+    try:
+        for parsed, size in parsed_lines(path):
+            line_no = parsed[0]
+            pending.append(parsed)
+            chars += size
+            if len(pending) >= spec.chunk_rows or chars >= spec.chunk_chars:
+                picked = picked or _pick(spec, pending, path)
+                yield _chunk(path, row, pending, picked, spec, render)
+                row, pending, chars = row + len(pending), [], 0
+    except (OSError, EOFError, zlib.error) as e:
+        if pending:
+            picked = picked or _pick(spec, pending, path)
+            yield _chunk(path, row, pending, picked, spec, render)
+            row += len(pending)
+        raise PartialFileError(f"{path}: unreadable after line {line_no} ({e}); is it truncated?", row, None) from e
+    if pending:
+        picked = picked or _pick(spec, pending, path)
+        yield _chunk(path, row, pending, picked, spec, render)
+
+
+def _pick(spec: ReadSpec, pending: list[Parsed], path: Path) -> tuple[str, bool] | None:
+    """The column, from every key of the chunk's objects in order of appearance (None: no object yet)."""
+    objs = [obj for _, obj, _ in pending if obj is not None]
+    if not objs:
+        return None
+    keys = list(dict.fromkeys(k for obj in objs for k in obj))
+    where = f" (the keys of lines {pending[0][0]} to {pending[-1][0]})"
+    return pick_column(spec, keys, path, where)
+
+
+def _chunk(path: Path, first_row: int, pending: list[Parsed], picked: tuple[str, bool] | None, spec: ReadSpec,
+           render: Callable[[list], str]) -> Chunk:
+    ids, texts, errors, lines = [], [], [], []
+    keep: dict[str, list] = {k: [] for k in spec.keep}
+    id_key = spec.id_column or "id"
+    for line_no, obj, err in pending:
+        fields = obj or {}
+        text = None
+        if obj is not None:
+            text, err = _text(obj, picked, spec, render)
+        rid = as_str(fields.get(id_key, f"{path.name}:{line_no}"))
+        kept = {k: as_str(fields.get(k)) for k in spec.keep}
+        if (bad := _bad_strings(rid, kept)) is not None:
+            text, err = None, err or bad
+            rid, kept = _printable(rid), {k: _printable(v) for k, v in kept.items()}
+        ids.append(rid)
+        texts.append(text)
+        errors.append(err)
+        lines.append(line_no)
+        for k, v in kept.items():
+            keep[k].append(v)
+    return Chunk(str(path), first_row, pa.array(ids, pa.string()), texts, errors, lines,
+                 {k: pa.array(v, pa.string()) for k, v in keep.items()}, clip(texts, spec.max_chars))
+
+
+def _bad_strings(rid: str | None, kept: dict[str, str | None]) -> str | None:
+    """Why the id or a kept field cannot be written (a lone surrogate), or None."""
+    if (rid is None or rid.isascii()) and not kept:  # the common case, without building the list below
+        return None
+    for name, v in [("the id", rid), *((f"field {k!r}", v) for k, v in kept.items())]:
+        if v is not None and (bad := surrogate(v)) is not None:
+            return f"{name} {bad}"
+    return None
+
+
+def _printable(v: str | None) -> str | None:
+    return None if v is None else printable(v)
+
+
+def _text(obj: dict, picked: tuple[str, bool], spec: ReadSpec, render) -> tuple[str | None, str | None]:
+    col, is_messages = picked
+    if col not in obj:
+        return None, f"no field {col!r}; this line has {list(obj)}"
+    if spec.id_column and spec.id_column not in obj:
+        return None, f"no field {spec.id_column!r} (--id-column); this line has {list(obj)}"
+    return conversation(obj[col], is_messages, render)

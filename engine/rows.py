@@ -1,0 +1,124 @@
+"""What every reader shares: the read settings, a chunk of rows, and the checks that turn one cell into a
+conversation text or the reason it cannot be scored."""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from .errors import InputError
+
+TEXT_GUESSES = ("text", "conversation", "transcript")
+MESSAGES_GUESSES = ("messages", "conversation", "turns")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    text_column: str | None = None
+    messages_column: str | None = None
+    id_column: str | None = None
+    keep: tuple[str, ...] = ()
+    chunk_rows: int = 4096
+    chunk_chars: int = 16 << 20  # a JSONL chunk also ends at this much text: huge rows keep memory bounded
+    max_chars: int = 1 << 20  # a conversation longer than this keeps its tail (tokens are cut from the left anyway)
+
+    def __post_init__(self) -> None:
+        if self.text_column and self.messages_column:
+            raise InputError("give --text-column or --messages-column, not both")
+
+
+@dataclass
+class Chunk:
+    """Consecutive rows of one file. texts[i] is None exactly when errors[i] says why."""
+
+    path: str
+    first_row: int
+    ids: pa.Array  # the id column as stored (Parquet), strings (JSONL), or "file:row" when there is none
+    texts: list[str | None]
+    errors: list[str | None]
+    lines: list[int] | None = None  # 1-based line numbers (JSONL)
+    keep: dict[str, pa.Array] = field(default_factory=dict)
+    clipped: int = 0  # conversations longer than max_chars, kept from the tail
+
+    def __len__(self) -> int:
+        return len(self.errors)
+
+
+class PartialFileError(InputError):
+    """A file that broke after `done` of its `total` rows were delivered."""
+
+    def __init__(self, message: str, done: int, total: int | None):
+        super().__init__(message)
+        self.done, self.total = done, total
+
+
+def pick_column(spec: ReadSpec, columns: list[str], path: Path, where: str = "") -> tuple[str, bool]:
+    """(column, is_messages) from the spec, or guessed from the names present (`where` says whose names)."""
+    if spec.text_column or spec.messages_column:
+        col = spec.text_column or spec.messages_column
+        if col not in columns:
+            raise InputError(f"{path}: no column {col!r}; it has {columns}")
+        return col, spec.messages_column is not None
+    for guess in TEXT_GUESSES + MESSAGES_GUESSES:
+        if guess in columns:
+            return guess, guess in MESSAGES_GUESSES and guess not in TEXT_GUESSES
+    raise InputError(f"{path}: no conversation column found among {columns}{where}; "
+                     "name it with --text-column or --messages-column")
+
+
+def conversation(value, is_messages: bool, render: Callable[[list], str]) -> tuple[str | None, str | None]:
+    """(text, None) or (None, reason): one cell of the conversation column checked and rendered."""
+    if value is None:
+        return None, "null conversation"
+    if is_messages:
+        if isinstance(value, str):
+            return None, "messages column holds a string, expected a list of {role, content}"
+        if not isinstance(value, list) or not value:
+            return None, f"messages must be a non-empty list of {{role, content}}, got {type(value).__name__}"
+        for j, m in enumerate(value):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                return None, f"message {j} is not a {{role: str, content: str}} object: {str(m)[:80]!r}"
+        try:
+            value = render(value)
+        except Exception as e:  # a template error is about this row, not the run
+            return None, f"chat template failed: {printable(str(e))}"
+    elif not isinstance(value, str):
+        return None, f"conversation is {type(value).__name__}, expected a string"
+    if (bad := surrogate(value)) is not None:
+        return None, f"the conversation {bad}"
+    if not value.strip():
+        return None, "empty conversation"
+    return value, None
+
+
+def surrogate(s: str) -> str | None:
+    """Why `s` cannot be encoded (a lone surrogate, which JSON's \\ud800 escapes can make), or None."""
+    m = None if s.isascii() else _SURROGATE.search(s)  # isascii is O(1): most strings skip the search
+    if m is None:
+        return None
+    return (f"holds a lone surrogate \\u{ord(m.group()):04x} at character {m.start()}, which is not valid "
+            "Unicode; fix the program that wrote this file")
+
+
+def printable(s: str) -> str:
+    """`s` with lone surrogates written as \\udXXX escapes, so that it can be written anywhere."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def as_str(v) -> str | None:
+    """JSON values have no fixed type across lines; ids and kept fields become strings (JSON for non-strings)."""
+    return v if v is None or isinstance(v, str) else json.dumps(v)
+
+
+def clip(texts: list[str | None], limit: int) -> int:
+    """Keep the tail of texts longer than `limit`; how many were cut."""
+    n = 0
+    for i, t in enumerate(texts):
+        if t is not None and len(t) > limit:
+            texts[i], n = t[-limit:], n + 1
+    return n
