@@ -47,6 +47,8 @@ def roc_auc(score: np.ndarray, y: np.ndarray) -> float:
     return float((ranks[y].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
-def summary(p: np.ndarray, y: np.ndarray) -> dict[str, float]:
-    return {"log_loss": log_loss(p, y), "brier": brier(p, y), "ece": ece(p, y), "roc_auc": roc_auc(p, y),
+def summary(p: np.ndarray, y: np.ndarray) -> dict[str, float | None]:
+    """The metrics by name; one the rows cannot define (ROC AUC on one class) is None, never NaN (not JSON)."""
+    metrics = {"log_loss": log_loss(p, y), "brier": brier(p, y), "ece": ece(p, y), "roc_auc": roc_auc(p, y)}
+    return {**{k: v if np.isfinite(v) else None for k, v in metrics.items()},
             "rows": int(len(y)), "positives": int(np.sum(y))}

@@ -5,18 +5,25 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine.errors import PolicyscanError
 from .metrics import reliability
+
+
+def require_matplotlib() -> None:
+    """--plot without matplotlib: one line saying what to install."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise PolicyscanError("--plot needs matplotlib: pip install 'policyscan[plot]' (or leave out --plot)") from e
 
 
 def reliability_plot(path: Path, title: str, curves: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
     """curves: label -> (p, y). Writes a PNG."""
-    try:
-        import matplotlib
+    require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib: pip install 'policyscan[plot]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.plot([0, 1], [0, 1], ":", color="gray", label="perfect")
     for label, (p, y) in curves.items():

@@ -13,13 +13,17 @@ import numpy as np
 
 from ..calibration.labels import parse_labels
 from ..calibration.metrics import summary
-from ..calibration.platt import fit_platt, sigmoid
+from ..calibration.platt import PlattFit, fit_platt
+from ..calibration.plot import reliability_plot, require_matplotlib
 from ..engine.checkpoint import file_sha256
 from ..engine.errors import InputError, PolicyscanError
 from ..engine.policy import load_policy
 from ..engine.runner import Engine, EngineSettings
-from ..engine.sources import ReadSpec, expand_inputs, read_chunks
-from .common import clip_chars, default_model, engine_options, friendly_errors, model_option
+from ..engine.sources import ReadSpec, read_chunks
+from .common import (check_lengths, clip_chars, default_model, engine_options, friendly_errors, input_files,
+                     model_option)
+
+MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not written without --force
 
 
 @click.command()
@@ -34,17 +38,27 @@ from .common import clip_chars, default_model, engine_options, friendly_errors, 
               help="share of rows, chosen by a hash of the id, kept out of the fit for the before/after report")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="write a reliability diagram PNG")
 @click.option("--dry-run", is_flag=True, help="report only; leave policy.json unchanged")
+@click.option("--force", is_flag=True,
+              help=f"write the fit even with fewer than {MIN_PER_CLASS} fit rows of a class (a loud warning)")
 @model_option
 @click.option("--text-column", default=None, metavar="C")
 @click.option("--messages-column", default=None, metavar="C")
 @click.option("--id-column", default=None, metavar="C")
 @engine_options
 @friendly_errors
-def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry_run, model, text_column,
+def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry_run, force, model, text_column,
               messages_column, id_column, device, precision, batch_tokens, max_length, cuda_graphs) -> None:
-    """Fit p = sigmoid(a*f + b) for one policy (Platt, Newton with line search) and record it in policy.json."""
+    """Fit p = sigmoid(a*f + b) for one policy (Platt, Newton with line search) and record it in policy.json.
+
+    Metrics compare the policy's current a, b ("before") with the new fit ("after"); fewer than 10 fit rows
+    of a class is a usage error (exit 2) unless --force or --dry-run."""
+    if text_column and messages_column:
+        raise click.UsageError("give --text-column or --messages-column, not both")
+    check_lengths(batch_tokens, max_length)
+    if plot:
+        require_matplotlib()  # before the scoring, not after it
     policy = load_policy(policy_dir)
-    files = expand_inputs(list(labeled))
+    files = input_files(list(labeled))
     if from_scores:
         ids, f, raw_labels = _from_scores(files, policy.name, label_column)
         label_col = label_column or "label"
@@ -61,24 +75,22 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
     ids, f, y = [i for i, k in zip(ids, ok) if k], f[ok], np.array([v for v in y if v is not None], dtype=bool)
     hold = np.array([_hashed(i) < holdout for i in ids], dtype=bool)
     fit_rows = ~hold if hold.any() and (~hold).any() else np.ones_like(hold)
+    _check_class_sizes(y[fit_rows], force, dry_run)
     try:
         fit = fit_platt(f[fit_rows], y[fit_rows])
     except ValueError as e:
         raise InputError(f"cannot calibrate {policy.name!r}: {e}") from e
     report = hold if hold.any() and (~hold).any() else np.ones_like(hold)
-    before, after = summary(sigmoid(f[report]), y[report]), summary(fit(f[report]), y[report])
+    current = PlattFit(policy.a, policy.b, 0, True)
+    before, after = summary(current(f[report]), y[report]), summary(fit(f[report]), y[report])
     where = "held-out" if report is hold else "fit (no holdout)"
     click.echo(f"policy {policy.name}: a = {fit.a:.6g}, b = {fit.b:.6g} ({fit.iterations} Newton steps, "
                f"{'converged' if fit.converged else 'NOT converged'}), fitted on {int(fit_rows.sum())} rows")
     click.echo(f"{where} rows: {int(report.sum())} ({int(y[report].sum())} violations)")
-    click.echo(f"{'metric':<10}{'before':>10}{'after':>10}")
-    for k in ("log_loss", "brier", "ece", "roc_auc"):
-        click.echo(f"{k:<10}{before[k]:>10.4f}{after[k]:>10.4f}")
+    _report(before, after, policy)
     if plot:
-        from ..calibration.plot import reliability_plot
-
         reliability_plot(Path(plot), f"{policy.name} ({where} rows)",
-                         {"before (sigmoid f)": (sigmoid(f[report]), y[report]),
+                         {f"before (a={policy.a:.3g}, b={policy.b:.3g})": (current(f[report]), y[report]),
                           "after Platt": (fit(f[report]), y[report])})
         click.echo(f"wrote {plot}")
     if dry_run:
@@ -89,8 +101,37 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         "fit_rows": int(fit_rows.sum()), "holdout_rows": int(hold.sum()), "holdout_fraction": holdout,
         "label_column": label_col, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "metrics_before": before, "metrics_after": after, "from_scores": from_scores,
+        "replaced": {"a": policy.a, "b": policy.b},  # the calibration "before" was measured with
     })
     click.echo(f"updated {Path(policy_dir) / 'policy.json'}")
+
+
+def _check_class_sizes(y: np.ndarray, force: bool, dry_run: bool) -> None:
+    """A fit on a handful of rows would silently replace a calibration made on many: refused unless forced."""
+    pos, neg = int(y.sum()), int((~y).sum())
+    if min(pos, neg) >= MIN_PER_CLASS:
+        return
+    msg = (f"only {pos} violation and {neg} compliant rows to fit on; a calibration needs at least "
+           f"{MIN_PER_CLASS} of each")
+    if not (force or dry_run):
+        raise click.UsageError(f"{msg}: label more rows or lower --holdout (--force writes it anyway)")
+    click.echo(f"WARNING: {msg}; the fit is unreliable", err=True)
+
+
+def _report(before: dict, after: dict, policy) -> None:
+    """The before/after table; a metric one class cannot define (ROC AUC) shows n/a and is recorded as null."""
+    click.echo(f"{'metric':<10}{'before':>10}{'after':>10}   (before: the policy's current a = {policy.a:.6g}, "
+               f"b = {policy.b:.6g})")
+    for k in ("log_loss", "brier", "ece", "roc_auc"):
+        cells = "".join(f"{'n/a':>10}" if m[k] is None else f"{m[k]:>10.4f}" for m in (before, after))
+        click.echo(f"{k:<10}{cells}")
+    undefined = sorted({k for m in (before, after) for k, v in m.items() if v is None})
+    if undefined:
+        click.echo(f"warning: {', '.join(undefined)} undefined on these rows (all one class); recorded as null",
+                   err=True)
+    if after["log_loss"] > before["log_loss"]:
+        click.echo(f"warning: the new fit's log loss ({after['log_loss']:.4f}) is worse than the current "
+                   f"calibration's ({before['log_loss']:.4f}) on these rows", err=True)
 
 
 def _score(engine: Engine, files: list[Path], spec: ReadSpec, label_column: str | None):
@@ -163,5 +204,5 @@ def _write_calibration(bundle: Path, fit, provenance: dict) -> None:
     meta = json.loads(path.read_text())
     meta["calibration"] = {"a": fit.a, "b": fit.b, "method": "platt-newton (Lin, Lin & Weng 2007)", **provenance}
     tmp = path.with_name(f".policy.json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")  # NaN is not JSON: never written
     os.replace(tmp, path)

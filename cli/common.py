@@ -1,16 +1,20 @@
 """Shared CLI pieces: default model and policies, engine options, errors printed for people."""
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import re
 import sys
 import threading
 from pathlib import Path
 
 import click
 
-from ..engine.errors import PolicyscanError
+from ..engine.errors import InputError, PolicyscanError
+from ..engine.sources import expand_inputs
 
+# the repository's sample_data; an installed wheel ships it as the package policyscan.sample_data, the same place
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_ROW_ERRORS = 0, 1, 2, 3
 
@@ -53,7 +57,8 @@ def model_option(f):
 def engine_options(f):
     """--device, --precision, --batch-tokens, --max-length, --cuda-graphs."""
     for opt in reversed([
-        click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N"),
+        click.option("--device", default="auto", show_default=True, callback=check_device,
+                     help="auto | cpu | cuda | cuda:N"),
         click.option("--precision", default="auto", show_default=True,
                      type=click.Choice(["auto", "fp8", "bf16", "fp32"]),
                      help="auto: FP8 on a GPU, fp32 on the CPU"),
@@ -69,14 +74,83 @@ def engine_options(f):
     return f
 
 
+def check_device(ctx, param, value: str | None) -> str | None:
+    """--device: a usage error (exit 2) before anything loads."""
+    if value is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise click.BadParameter(f"{value!r}: use auto, cpu, cuda or cuda:N")
+    return value
+
+
+def check_lengths(batch_tokens: int, max_length: int) -> None:
+    if batch_tokens < max_length:
+        raise click.UsageError(f"--batch-tokens ({batch_tokens}) must be at least --max-length ({max_length}): "
+                               "a whole prompt must fit in one batch")
+
+
+def input_files(inputs: list[str]) -> list[Path]:
+    """The files INPUTs name; one that names nothing is a usage error (exit 2)."""
+    try:
+        return expand_inputs(inputs)
+    except InputError as e:
+        raise click.UsageError(str(e)) from e
+
+
+def check_writable_dir(folder: Path, what: str) -> None:
+    """Before any scoring: the folder an output goes to exists and takes new files."""
+    if not folder.is_dir():
+        raise click.UsageError(f"{what}: folder {folder} does not exist; create it or write elsewhere")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise click.UsageError(f"{what}: folder {folder} is not writable; write elsewhere")
+
+
+def protected_files(inputs: list[Path], model_dir: Path, policy_dirs: list[Path]) -> dict[Path, str]:
+    """What a run reads and must never write over: inputs, the model's files, the policies' files."""
+    out = {p: "an input" for p in inputs}
+    if model_dir.is_dir():
+        out.update({p: f"a file of the model {model_dir}" for p in model_dir.rglob("*") if p.is_file()})
+    for d in policy_dirs:
+        out.update({p: f"a file of the policy {d}" for p in d.iterdir() if p.is_file()})
+    return out
+
+
+def refuse_overwrites(outputs: list[tuple[Path, str]], protected: dict[Path, str]) -> None:
+    """outputs: (path, what it is: output, errors file, metadata). None may be a protected file (by its
+    resolved path or as the same file through a link) or another of the outputs."""
+    ids = {_file_id(p): (p, what) for p, what in protected.items()}
+    resolved = {p.resolve(): (p, what) for p, what in protected.items()}
+    seen: dict[Path, str] = {}
+    for path, what in outputs:
+        hit = resolved.get(path.resolve()) or ids.get(_file_id(path))
+        if hit:
+            raise click.UsageError(f"{what} {path} is {hit[1]} ({hit[0]}); writing it would destroy it: "
+                                   "choose another path")
+        if path.resolve() in seen:
+            raise click.UsageError(f"{what} {path} is also the {seen[path.resolve()]}; give them different paths")
+        seen[path.resolve()] = what
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:  # not there yet: no file it could be
+        return None
+    return st.st_dev, st.st_ino
+
+
 def friendly_errors(f):
-    """PolicyscanError -> one line on stderr and exit 1 (2 for usage); Ctrl-C -> exit 130, no traceback."""
+    """PolicyscanError or OSError (a full disk) -> one line on stderr and exit 1; Ctrl-C -> exit 130."""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         try:
             return f(*args, **kwargs)
         except PolicyscanError as e:
             click.echo(f"policyscan: error: {e}", err=True)
+            sys.exit(EXIT_FAILURE)
+        except OSError as e:
+            hint = "; the disk is full: free space or write elsewhere" if e.errno == errno.ENOSPC else ""
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"policyscan: error: {where}{e.strerror or e}{hint}; no partial output was left behind",
+                       err=True)
             sys.exit(EXIT_FAILURE)
         except KeyboardInterrupt:
             click.echo("policyscan: interrupted; no partial output was left behind", err=True)

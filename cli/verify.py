@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -10,97 +12,145 @@ import click
 import numpy as np
 import pyarrow.parquet as pq
 
-from ..engine.checkpoint import file_sha256
+from ..engine.checkpoint import Checkpoint, file_sha256
 from ..engine.errors import InputError, PolicyscanError
 from ..engine.policy import load_policy
 from ..engine.runner import Engine, EngineSettings
 from ..engine.sinks import read_metadata
 from ..engine.sources import ReadSpec, read_chunks
-from .common import friendly_errors
+from .common import check_device, friendly_errors
 
 EXIT_DIFFERS = 4
 
 
 @click.command()
 @click.argument("output", type=click.Path(exists=True, dir_okay=False))
-@click.option("--sample", default=64, show_default=True, type=click.IntRange(1), help="rows to re-score")
-@click.option("--device", default=None, help="override the recorded device (results may then differ)")
+@click.option("--sample", default=64, show_default=True, type=click.IntRange(1), help="ids to re-score")
+@click.option("--device", default=None, callback=check_device,
+              help="override the recorded device (results may then differ)")
 @friendly_errors
 def verify(output: str, sample: int, device: str | None) -> None:
-    """Re-score SAMPLE rows of OUTPUT with the model, policies and settings its metadata records.
+    """Re-score the rows of SAMPLE ids of OUTPUT with the model, policies and settings its metadata records.
 
     Exit status: 0 every sampled row reproduced bit for bit, 4 some differ, 1 the run cannot be repeated
-    (a model, adapter or input changed or is missing)."""
+    (a model, tokenizer, chat template, adapter or input file changed or is missing)."""
     out = Path(output)
     meta = read_metadata(out)
     if meta is None:
         raise PolicyscanError(f"{out}: no policyscan metadata; only `policyscan score` outputs can be verified")
-    _check_hashes(meta)
-    policies = []
-    for rec in meta["policies"]:
-        cal = rec["calibration"]
-        policies.append(dataclasses.replace(load_policy(rec["path"]), a=cal["a"], b=cal["b"]))
+    _check_model(meta)
+    inputs = [_input_path(rec, out) for rec in meta["inputs"]]
+    policies = [_recorded_policy(rec) for rec in meta["policies"]]
     s = meta["settings"]
     engine = Engine(meta["model"]["path"], policies,
                     EngineSettings(device or str(meta["device"]).split(":")[0], meta["precision"],
                                    s["batch_tokens"], s["max_length"], cuda_graphs=s.get("cuda_graphs", True)))
     stored = _stored(out, meta, [p.name for p in policies])
     ids = sorted(stored, key=lambda i: hashlib.sha256(str(i).encode()).digest())[:sample]
-    texts = _find(meta, set(ids), engine)
+    texts = _find(meta, inputs, set(ids), engine)
     missing = [i for i in ids if i not in texts]
     if missing:
         raise InputError(f"{len(missing)} sampled ids not found in the recorded inputs, e.g. {missing[0]!r}")
-    convs = [np.asarray(x, dtype=np.int64) for x in engine.encoder.encode_batch([texts[i] for i in ids])]
-    f, _, _ = engine.score_conversations(convs)
-    bad = []
-    for r, i in enumerate(ids):
-        for j, pol in enumerate(policies):
-            p = float(pol.calibrate_np(f[r:r + 1, j])[0])
-            if p != stored[i][pol.name]:
-                bad.append((i, pol.name, stored[i][pol.name], p))
-    click.echo(f"verified {len(ids)} rows x {len(policies)} policies of {out}: "
+    flat = [(i, t) for i in ids for t in texts[i]]
+    encoded = engine.encoder.encode_batch([t for _, t in flat])
+    keep = [k for k, x in enumerate(encoded) if x]  # a text that encodes to nothing was an error row, not output
+    f, _, _ = engine.score_conversations([np.asarray(encoded[k], dtype=np.int64) for k in keep])
+    now: dict = {i: [] for i in ids}
+    for r, (i, _) in enumerate(flat[k] for k in keep):
+        now[i].append(tuple(float(pol.calibrate_np(f[r:r + 1, j])[0])
+                                           for j, pol in enumerate(policies)))
+    bad = [d for i in ids for d in _differences(i, stored[i], now[i], [p.name for p in policies])]
+    rows = sum(len(stored[i]) for i in ids)
+    click.echo(f"verified {rows} rows ({len(ids)} ids) x {len(policies)} policies of {out}: "
                f"{'all reproduced bit for bit' if not bad else f'{len(bad)} differ'}")
     for i, name, want, got in bad[:10]:
         click.echo(f"  id {i!r} {name}: stored {want!r}, now {got!r}")
     sys.exit(EXIT_DIFFERS if bad else 0)
 
 
-def _check_hashes(meta: dict) -> None:
-    for rec in meta["policies"]:
-        path = Path(rec["path"]) / "adapter_model.safetensors"
-        if not path.is_file() or file_sha256(path) != rec["adapter_sha256"]:
-            raise PolicyscanError(f"policy {rec['name']!r}: {path} is missing or changed since the run")
-    for rec in meta["inputs"]:
-        if not Path(rec["path"]).is_file() or file_sha256(Path(rec["path"])) != rec["sha256"]:
-            raise PolicyscanError(f"input {rec['path']} is missing or changed since the run")
+def _check_model(meta: dict) -> None:
+    """The model's files (weights, config, tokenizer, chat templates) must be the ones the run used."""
+    model = Path(meta["model"]["path"])
+    if not model.is_dir():
+        raise PolicyscanError(f"model {model} is missing; the run cannot be repeated")
+    ckpt = Checkpoint.open(model)
+    if ckpt.fingerprint() == meta["model"]["sha256"]:
+        return
+    was, now = meta.get("model_files") or {}, ckpt.file_hashes()
+    changed = sorted(n for n in set(was) | set(now) if was.get(n) != now.get(n)) if was else []
+    what = f": {', '.join(changed)} changed, appeared or disappeared" if changed else ""
+    raise PolicyscanError(f"model {model} changed since the run{what}; the run cannot be repeated")
+
+
+def _recorded_policy(rec: dict):
+    """The policy as the run had it: adapter bytes checked, calibration taken from the metadata."""
+    path = Path(rec["path"]) / "adapter_model.safetensors"
+    if not path.is_file() or file_sha256(path) != rec["adapter_sha256"]:
+        raise PolicyscanError(f"policy {rec['name']!r}: {path} is missing or changed since the run")
+    pol = load_policy(rec["path"])
+    if [pol.compliant, pol.violation, pol.prefix, pol.suffix] != [*rec["labels"], rec["prefix"], rec["suffix"]]:
+        raise PolicyscanError(f"policy {rec['name']!r}: the labels or template in {rec['path']}/policy.json "
+                              "changed since the run")
+    cal = rec["calibration"]
+    return dataclasses.replace(pol, a=cal["a"], b=cal["b"])
+
+
+def _input_path(rec: dict, out: Path) -> Path:
+    """An input where the metadata says (absolute, relative to the output, as typed), with its recorded bytes."""
+    where = [rec.get("abs_path"), str(out.parent / rec["rel_path"]) if rec.get("rel_path") else None, rec["path"]]
+    found = [Path(p) for p in dict.fromkeys(w for w in where if w) if Path(p).is_file()]
+    for p in found:
+        if file_sha256(p) == rec["sha256"]:
+            return p
+    state = f"changed since the run ({', '.join(map(str, found))})" if found else "missing"
+    raise PolicyscanError(f"input {rec['path']} is {state}; looked at {', '.join(w for w in where if w)}")
 
 
 def _stored(out: Path, meta: dict, names: list[str]) -> dict:
-    """id -> {policy: p} from a wide or long output."""
+    """id -> [(p per policy), ...], one tuple per row with that id, in output order (wide or long)."""
+    long = meta["output"]["layout"] == "long"
     if out.name.endswith(".parquet"):
-        cols = ["id", "policy", "p"] if meta["output"]["layout"] == "long" else ["id"] + [f"p_{n}" for n in names]
+        cols = ["id", "policy", "p"] if long else ["id"] + [f"p_{n}" for n in names]
         rows = pq.read_table(out, columns=cols).to_pylist()
     else:
-        import json
-
-        rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        opener = gzip.open if out.name.endswith(".gz") else open
+        with opener(out, "rt", encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
     table: dict = {}
-    for r in rows:
-        entry = table.setdefault(r["id"], {})
-        if meta["output"]["layout"] == "long":
-            entry[r["policy"]] = r["p"]
-        else:
-            entry.update({n: r[f"p_{n}"] for n in names})
+    if long:  # a conversation's rows are its policies, consecutive
+        for k in range(0, len(rows), len(names)):
+            group = {r["policy"]: r["p"] for r in rows[k:k + len(names)]}
+            table.setdefault(rows[k]["id"], []).append(tuple(group[n] for n in names))
+    else:
+        for r in rows:
+            table.setdefault(r["id"], []).append(tuple(r[f"p_{n}"] for n in names))
     return table
 
 
-def _find(meta: dict, ids: set, engine: Engine) -> dict:
-    """id -> conversation text, re-read from the recorded inputs with the recorded read settings."""
+def _differences(id_, stored: list[tuple], now: list[tuple], names: list[str]) -> list[tuple]:
+    """(id, policy, stored p, p now) for stored rows that no re-scored row of the same id reproduces: rows
+    that share an id (the same id twice, texts alike or not) are matched as a multiset, never by position."""
+    left = list(now)
+    unmatched = []
+    for row in stored:
+        if row in left:
+            left.remove(row)
+        else:
+            unmatched.append(row)
+    out = []
+    for k, row in enumerate(unmatched):
+        other = left[k] if k < len(left) else (None,) * len(names)
+        out += [(id_, n, want, got) for n, want, got in zip(names, row, other) if want != got]
+    return out
+
+
+def _find(meta: dict, inputs: list[Path], ids: set, engine: Engine) -> dict:
+    """id -> every conversation text with that id, re-read from the inputs with the recorded read settings."""
     spec = ReadSpec(**{k: tuple(v) if k == "keep" else v for k, v in meta["read"].items()})
-    found = {}
-    for rec in meta["inputs"]:
-        for chunk in read_chunks(Path(rec["path"]), spec, engine.encoder.render):
+    found: dict = {}
+    for path in inputs:
+        for chunk in read_chunks(path, spec, engine.encoder.render):
             for i, id_ in enumerate(chunk.ids.to_pylist()):
                 if id_ in ids and chunk.texts[i] is not None:
-                    found.setdefault(id_, chunk.texts[i])
+                    found.setdefault(id_, []).append(chunk.texts[i])
     return found

@@ -15,6 +15,9 @@ from .config import PROJECTIONS, ModelConfig
 from .errors import CheckpointError
 
 PICKLE_NAMES = ("pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+# besides the weights: what shapes the prompt (tokenizer, chat template) or the tensors' meaning (config)
+SCORED_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.json")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -79,11 +82,17 @@ class Checkpoint:
             return torch.cat([sl[r:r + 1] for r in rows])
 
     def fingerprint(self) -> str:
-        """sha256 over config.json and the safetensors files: names what produced an output."""
-        h = hashlib.sha256((self.model_dir / "config.json").read_bytes())
-        for path in sorted(set(self.files.values())):
-            h.update(file_sha256(path).encode())
+        """sha256 over what decides a score: config, weights, tokenizer and chat templates (file_hashes)."""
+        h = hashlib.sha256()
+        for name, sha in sorted(self.file_hashes().items()):
+            h.update(f"{name}\0{sha}\n".encode())
         return h.hexdigest()
+
+    def file_hashes(self) -> dict[str, str]:
+        """sha256 of each file that decides a score, by its name in the model directory."""
+        paths = set(self.files.values()) | {p for p in self.model_dir.glob("*.jinja") if p.is_file()}
+        paths |= {self.model_dir / n for n in SCORED_FILES if (self.model_dir / n).is_file()}
+        return {str(p.relative_to(self.model_dir)): cached_sha256(p) for p in sorted(paths)}
 
 
 def in_background(fn, name: str) -> Future:
@@ -99,6 +108,19 @@ def in_background(fn, name: str) -> Future:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return fut
+
+
+_SHA_CACHE: dict[tuple[str, int, int], str] = {}
+
+
+def cached_sha256(path: Path) -> str:
+    """file_sha256, remembered per (path, size, mtime) in this process: the metadata lists the model's file
+    hashes after the fingerprint took them (seconds for a large checkpoint) without reading them again."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _SHA_CACHE:
+        _SHA_CACHE[key] = file_sha256(path)
+    return _SHA_CACHE[key]
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:

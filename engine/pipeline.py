@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import queue
 import threading
 import time
@@ -12,11 +13,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from .checkpoint import file_sha256
 from .errors import InputError
 from .runner import Engine
-from .sinks import ErrorWriter, ScoreWriter, read_metadata
+from .sinks import ErrorWriter, ScoreWriter, commit_together, meta_path, read_metadata, remove_leftovers
 from .sources import Chunk, PartialFileError, ReadSpec, read_chunks
 
 
@@ -26,6 +28,8 @@ class OutputSpec:
     layout: str = "wide"
     raw: bool = False
     strict: bool = False
+    flagged: bool = False     # flagged_<policy> = p >= the policy's threshold
+    truncation: bool = False  # `truncated`: the prompt lost the conversation's oldest tokens
 
     def __post_init__(self) -> None:
         if self.fmt not in ("parquet", "jsonl"):
@@ -46,6 +50,7 @@ class Accounting:
     seconds: float = 0.0          # the whole scoring window, of which:
     input_wait_seconds: float = 0.0  # waiting for the reader: reading and tokenizing the GPU did not hide
     output_seconds: float = 0.0      # calibrating and writing
+    duplicate_ids: int = 0  # scored rows whose id an earlier row of the same output already has
     above_threshold: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: "Accounting") -> None:
@@ -90,8 +95,12 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
         raise ValueError(f"a run key names one input's output, got {len(inputs)} inputs")
     shas = input_sha256 or [file_sha256(p) for p in inputs]  # before reading: what was scored is what is named
     names = [p.name for p in engine.policies]
-    writer, err = ScoreWriter(output, out.fmt, out.layout, names, out.raw), ErrorWriter(errors)
+    remove_leftovers([output, errors, meta_path(output)])
+    writer = ScoreWriter(output, out.fmt, out.layout, names, out.raw,
+                         [p.threshold for p in engine.policies] if out.flagged else None, out.truncation)
+    err = ErrorWriter(errors)
     acc = Accounting(above_threshold={n: 0 for n in names})
+    id_hashes: list[np.ndarray] = []
     t0 = time.perf_counter()
     try:
         items = _prefetch(_encoded(engine, inputs, spec))
@@ -104,16 +113,18 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
             if isinstance(item, FileFailure):
                 _file_failure(item, err, acc, out.strict)
                 continue
-            _score_chunk(engine, *item, writer, err, acc, out.strict)
+            id_hashes.append(_hashes(_score_chunk(engine, *item, writer, err, acc, out.strict)))
             if progress:
                 progress(len(item[0]), acc.prompt_tokens)
         acc.seconds = time.perf_counter() - t0
-        meta = {**engine.describe(), "inputs": [{"path": str(p), "sha256": h} for p, h in zip(inputs, shas)],
+        acc.duplicate_ids = _repeats(id_hashes)
+        meta = {**engine.describe(), "model_files": engine.checkpoint.file_hashes(),
+                "inputs": [_input_record(p, h, output) for p, h in zip(inputs, shas)],
                 "read": asdict(spec), "output": asdict(out), "errors_file": str(errors) if err.count else None,
                 "accounting": {**asdict(acc), "balanced": acc.balanced},
                 "run_key": run_key(engine, spec, out, shas[0]) if keyed else None}
-        err.commit()
-        writer.commit(meta)
+        moves, remove = err.finish()
+        commit_together(writer.finish(meta) + moves, remove)
     except BaseException:
         writer.abort()
         err.abort()
@@ -168,29 +179,66 @@ def _file_failure(ff: FileFailure, err: ErrorWriter, acc: Accounting, strict: bo
 
 
 def _score_chunk(engine: Engine, chunk: Chunk, convs: list[np.ndarray], writer: ScoreWriter, err: ErrorWriter,
-                 acc: Accounting, strict: bool) -> None:
+                 acc: Accounting, strict: bool) -> pa.Array:
+    """Score one chunk's valid rows and write them; returns the ids written."""
     ok = np.array([e is None for e in chunk.errors], dtype=bool)
     acc.rows_in += len(chunk)
     acc.clipped_conversations += chunk.clipped
     for i in np.flatnonzero(~ok):
-        line = chunk.lines[i] if chunk.lines else None
-        where = f"line {line}" if line else f"row {chunk.first_row + int(i)}"
-        if strict:
-            raise StrictStop(f"{chunk.path}, {where}: {chunk.errors[i]} (--strict stops at the first bad row)")
-        err.add(chunk.path, chunk.first_row + int(i), line, chunk.ids[int(i)].as_py(), chunk.errors[i])
+        _row_error(chunk, int(i), chunk.errors[i], err, strict)
     acc.rows_in_errors += int((~ok).sum())
     f, tokens, truncated = engine.score_conversations(convs)
     t = time.perf_counter()
-    p = np.stack([pol.calibrate_np(f[:, j]) for j, pol in enumerate(engine.policies)], axis=1) \
-        if len(convs) else np.zeros((0, len(engine.policies)))
     idx = np.flatnonzero(ok)
-    writer.write(chunk.ids.take(idx), {k: v.take(idx) for k, v in chunk.keep.items()}, p, f.astype(np.float64))
+    finite = np.isfinite(f).all(axis=1)
+    for r in np.flatnonzero(~finite):  # never written as a number: NaN or Inf is no probability
+        bad = ", ".join(f"{pol.name} {f[r, j]}" for j, pol in enumerate(engine.policies) if not np.isfinite(f[r, j]))
+        _row_error(chunk, int(idx[r]), f"f is not finite ({bad}): no probability can be given; the model's "
+                   "weights or activations overflow on this conversation", err, strict)
+    acc.rows_in_errors += int((~finite).sum())
+    idx, f = idx[finite], f[finite]
+    conv_len = np.array([len(c) for c, keep in zip(convs, finite) if keep], dtype=np.int64)
+    cut = conv_len[:, None] > np.array([b.budget for b in engine.builders], dtype=np.int64)[None, :]
+    p = np.stack([pol.calibrate_np(f[:, j]) for j, pol in enumerate(engine.policies)], axis=1) \
+        if len(idx) else np.zeros((0, len(engine.policies)))
+    ids = chunk.ids.take(idx)
+    writer.write(ids, {k: v.take(idx) for k, v in chunk.keep.items()}, p, f.astype(np.float64), cut)
     acc.rows_scored += len(idx)
     acc.prompt_tokens += tokens
     acc.truncated_prompts += truncated
     for j, pol in enumerate(engine.policies):
         acc.above_threshold[pol.name] += int((p[:, j] >= pol.threshold).sum())
     acc.output_seconds += time.perf_counter() - t
+    return ids
+
+
+def _row_error(chunk: Chunk, i: int, reason: str, err: ErrorWriter, strict: bool) -> None:
+    line = chunk.lines[i] if chunk.lines else None
+    if strict:
+        where = f"line {line}" if line else f"row {chunk.first_row + i}"
+        raise StrictStop(f"{chunk.path}, {where}: {reason} (--strict stops at the first bad row)")
+    err.add(chunk.path, chunk.first_row + i, line, chunk.ids[i].as_py(), reason)
+
+
+def _hashes(ids: pa.Array) -> np.ndarray:
+    """64 bits per id (its repr, so 1 and "1" differ): duplicates are counted in 8 bytes a row."""
+    return np.fromiter((int.from_bytes(hashlib.blake2b(repr(v).encode("utf-8", "backslashreplace"),
+                                                       digest_size=8).digest(), "little")
+                        for v in ids.to_pylist()), dtype=np.uint64, count=len(ids))
+
+
+def _repeats(hashes: list[np.ndarray]) -> int:
+    """Rows whose id an earlier row already has."""
+    flat = np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64)
+    return int(len(flat) - len(np.unique(flat)))
+
+
+def _input_record(path: Path, sha: str, output: Path) -> dict:
+    """An input as typed, absolute, and relative to the output's folder: `verify` finds it from anywhere, and
+    after the output and its inputs moved together."""
+    full = path.resolve()
+    return {"path": str(path), "abs_path": str(full), "rel_path": os.path.relpath(full, output.resolve().parent),
+            "sha256": sha}
 
 
 def _prefetch(it: Iterator, depth: int = 2) -> Iterator:

@@ -110,7 +110,7 @@ def _load_adapter(path: Path) -> tuple[LoraWeights, str]:
                 raise PolicyError(f"{w_path}: tensor {name!r} is not a LoRA factor of "
                                   f"{'/'.join(PROJECTIONS)}; policyscan cannot apply it")
             slot = factors.setdefault((int(m.group(1)), m.group(2)), [None, None])
-            slot[0 if m.group(3) == "A" else 1] = f.get_tensor(name).float()
+            slot[0 if m.group(3) == "A" else 1] = _finite(f.get_tensor(name).float(), w_path, name)
     alpha, rslora = float(cfg.get("lora_alpha", cfg.get("r", 8))), bool(cfg.get("use_rslora", False))
     out, scales = {}, {}
     for (layer, proj), (a, b) in factors.items():
@@ -124,6 +124,16 @@ def _load_adapter(path: Path) -> tuple[LoraWeights, str]:
         scales[(layer, proj)] = al / math.sqrt(r) if rslora else al / r
         out[(layer, proj)] = (a, b)
     return LoraWeights(out, scales), file_sha256(w_path)
+
+
+def _finite(t: torch.Tensor, w_path: Path, name: str) -> torch.Tensor:
+    """NaN or Inf in a factor would make every score of the policy NaN (written as p = 0): refused at load."""
+    bad = ~torch.isfinite(t)
+    if bad.any():
+        raise PolicyError(f"{w_path}: tensor {name!r} holds {int(bad.sum())} non-finite values (NaN or Inf), "
+                          f"first at {tuple(bad.nonzero()[0].tolist())}; the adapter is corrupt or its training "
+                          "diverged: retrain or restore it")
+    return t
 
 
 def _pattern(patterns: dict, layer: int, proj: str, default: float) -> float:

@@ -1,8 +1,12 @@
-"""Write scores and errors atomically: temporary names, renamed into place only when complete."""
+"""Write scores and errors atomically: temporary names, renamed into place together only when complete."""
 from __future__ import annotations
 
+import glob
+import gzip
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,27 +16,37 @@ import pyarrow.parquet as pq
 from .errors import InputError
 
 META_KEY = b"policyscan"
+ERROR_KEYS = {"file", "row", "line", "id", "reason"}
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|bak)-(?P<pid>\d+)")
 
 
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _tmp(path: Path, kind: str = "tmp") -> Path:
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}")
 
 
 class ScoreWriter:
-    """Rows in input order: id, kept columns, p_<policy> (and f_<policy> with raw), wide or long."""
+    """Rows in input order: id, kept columns, p_<policy> (and f_<policy> with raw), wide or long.
+    thresholds: add flagged_<policy> (long: flagged) = p >= threshold; truncation: add `truncated`."""
 
-    def __init__(self, path: Path, fmt: str, layout: str, policies: list[str], raw: bool):
+    def __init__(self, path: Path, fmt: str, layout: str, policies: list[str], raw: bool,
+                 thresholds: list[float] | None = None, truncation: bool = False):
         if fmt not in ("parquet", "jsonl") or layout not in ("wide", "long"):
             raise ValueError(f"format {fmt!r} / layout {layout!r}")
         self.path, self.fmt, self.layout, self.policies, self.raw = path, fmt, layout, policies, raw
+        self.thresholds, self.truncation = thresholds, truncation
         self.tmp = _tmp(path)
         self.rows = 0
         self._pq: pq.ParquetWriter | None = None
-        self._fh = open(self.tmp, "w", encoding="utf-8") if fmt == "jsonl" else None
+        self._fh = None
+        if fmt == "jsonl":
+            self._fh = (gzip.open(self.tmp, "wt", encoding="utf-8") if path.name.endswith(".gz")
+                        else open(self.tmp, "w", encoding="utf-8"))
 
-    def write(self, ids: pa.Array, keep: dict[str, pa.Array], p: np.ndarray, f: np.ndarray) -> None:
-        """p, f: [rows, policies] for the scored rows of one chunk, in input order."""
-        table = self._table(ids, keep, p, f)
+    def write(self, ids: pa.Array, keep: dict[str, pa.Array], p: np.ndarray, f: np.ndarray,
+              cut: np.ndarray | None = None) -> None:
+        """p, f, cut (prompt lost tokens): [rows, policies] for the scored rows of one chunk, in input order."""
+        cut = np.zeros(p.shape, dtype=bool) if cut is None else cut
+        table = self._table(ids, keep, p, f, cut)
         self.rows += len(ids)
         if self._fh is not None:
             for rec in table.to_pylist():
@@ -49,37 +63,42 @@ class ScoreWriter:
                                  "write each input to its own output with -o DIR") from e
         self._pq.write_table(table)
 
-    def _table(self, ids, keep, p, f) -> pa.Table:
+    def _table(self, ids, keep, p, f, cut) -> pa.Table:
         cols: dict[str, pa.Array | np.ndarray] = {"id": ids, **keep}
+        flags = p >= np.asarray(self.thresholds) if self.thresholds is not None else None
         if self.layout == "wide":
-            for j, name in enumerate(self.policies):
-                cols[f"p_{name}"] = p[:, j]
-            if self.raw:
-                for j, name in enumerate(self.policies):
-                    cols[f"f_{name}"] = f[:, j]
+            for prefix, values in (("p", p), ("f", f if self.raw else None), ("flagged", flags)):
+                if values is not None:
+                    cols.update({f"{prefix}_{name}": values[:, j] for j, name in enumerate(self.policies)})
+            if self.truncation:
+                cols["truncated"] = cut.any(axis=1)
             return pa.table(cols)
         n, k = p.shape
         rep = pa.array(np.repeat(np.arange(n), k))
         long = {c: v.take(rep) if isinstance(v, (pa.Array, pa.ChunkedArray)) else v for c, v in cols.items()}
         long["policy"] = pa.array(np.tile(np.array(self.policies, dtype=object), n), pa.string())
         long["p"] = p.reshape(-1)
-        if self.raw:
-            long["f"] = f.reshape(-1)
+        for name, values, on in (("f", f, self.raw), ("flagged", flags, flags is not None),
+                                 ("truncated", cut, self.truncation)):
+            if on:
+                long[name] = values.reshape(-1)
         return pa.table(long)
 
-    def commit(self, meta: dict) -> None:
-        """Record metadata, close, and rename into place (a reader never sees half a file)."""
+    def finish(self, meta: dict) -> list[tuple[Path, Path]]:
+        """Record metadata and close; the (temporary, final) names to commit."""
         blob = json.dumps(meta, sort_keys=True)
         if self._fh is not None:
             self._fh.close()
-            _atomic_text(meta_path(self.path), blob)
-        else:
-            if self._pq is None:  # no scored rows: still a valid, empty file with the full schema
-                empty = np.zeros((0, len(self.policies)))
-                self._pq = pq.ParquetWriter(self.tmp, self._table(pa.array([], pa.string()), {}, empty, empty).schema)
-            self._pq.add_key_value_metadata({META_KEY: blob.encode()})
-            self._pq.close()
-        os.replace(self.tmp, self.path)
+            mp = meta_path(self.path)
+            _tmp(mp).write_text(blob)
+            return [(self.tmp, self.path), (_tmp(mp), mp)]
+        if self._pq is None:  # no scored rows: still a valid, empty file with the full schema
+            empty = np.zeros((0, len(self.policies)))
+            schema = self._table(pa.array([], pa.string()), {}, empty, empty, empty.astype(bool)).schema
+            self._pq = pq.ParquetWriter(self.tmp, schema)
+        self._pq.add_key_value_metadata({META_KEY: blob.encode()})
+        self._pq.close()
+        return [(self.tmp, self.path)]
 
     def abort(self) -> None:
         if self._fh is not None:
@@ -87,6 +106,8 @@ class ScoreWriter:
         if self._pq is not None:
             self._pq.close()
         self.tmp.unlink(missing_ok=True)
+        if self.fmt == "jsonl":
+            _tmp(meta_path(self.path)).unlink(missing_ok=True)
 
 
 def meta_path(out: Path) -> Path:
@@ -106,6 +127,21 @@ def read_metadata(out: Path) -> dict | None:
         return None
 
 
+def is_errors_file(path: Path) -> bool:
+    """Whether `path` is an errors file policyscan wrote: every line a {file, row, line, id, reason} object."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            seen = False
+            for line in fh:
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or set(rec) != ERROR_KEYS:
+                    return False
+                seen = True
+            return seen
+    except (OSError, ValueError):
+        return False
+
+
 class ErrorWriter:
     """JSONL, one line per row that could not be scored: file, row, line, id, reason."""
 
@@ -120,12 +156,13 @@ class ErrorWriter:
                                   default=str) + "\n")
         self.count += 1
 
-    def commit(self) -> None:
+    def finish(self) -> tuple[list[tuple[Path, Path]], list[Path]]:
+        """(temporary, final) names to commit, and the stale errors file of an earlier run to remove: it
+        would mislead beside a clean output (only a file that is an errors file is ever removed)."""
         if self._fh is None:
-            self.path.unlink(missing_ok=True)  # a stale errors file from an earlier run would mislead
-            return
+            return [], [self.path] if is_errors_file(self.path) else []
         self._fh.close()
-        os.replace(self.tmp, self.path)
+        return [(self.tmp, self.path)], []
 
     def abort(self) -> None:
         if self._fh is not None:
@@ -133,7 +170,65 @@ class ErrorWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = _tmp(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def commit_together(moves: list[tuple[Path, Path]], remove: list[Path]) -> None:
+    """Rename each finished temporary file into place and remove `remove`: all or nothing. Files replaced or
+    removed are first kept under a backup name and put back if any step fails."""
+    backups: list[tuple[Path, Path]] = []
+    placed: list[Path] = []
+    try:
+        for final in [f for _, f in moves if f.exists()] + remove:
+            backups.append((final, _backup(final)))
+        for final in remove:
+            final.unlink()
+        for tmp, final in moves:
+            os.replace(tmp, final)
+            placed.append(final)
+    except BaseException:
+        kept = {final for final, _ in backups}
+        for final in placed:
+            if final not in kept:
+                final.unlink(missing_ok=True)
+        for final, bak in backups:
+            os.replace(bak, final)
+            bak.unlink(missing_ok=True)  # rename() does nothing when both names are links to one file
+        raise
+    for _, bak in backups:
+        bak.unlink(missing_ok=True)
+
+
+def _backup(path: Path) -> Path:
+    """A second name for `path`'s bytes (a hard link; a copy where links are not supported)."""
+    bak = _tmp(path, "bak")
+    bak.unlink(missing_ok=True)
+    try:
+        os.link(path, bak)
+    except OSError:
+        shutil.copy2(path, bak)
+    return bak
+
+
+def remove_leftovers(finals: list[Path]) -> list[Path]:
+    """Remove the temporary and backup files that killed runs (SIGKILL, power loss) left for these outputs:
+    only names policyscan gives them (.NAME.tmp-PID, .NAME.bak-PID), only of processes no longer alive."""
+    removed = []
+    for final in finals:
+        if not final.parent.is_dir():
+            continue
+        for cand in final.parent.glob(f".{glob.escape(final.name)}.*-*"):
+            m = _LEFTOVER.fullmatch(cand.name)
+            if m and m["name"] == final.name and not _alive(int(m["pid"])) and cand.is_file():
+                cand.unlink(missing_ok=True)
+                removed.append(cand)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process (or a name we cannot judge): leave its files
+    return True

@@ -47,14 +47,20 @@ def test_interrupt_leaves_no_partial_file(tmp_path, monkeypatch):
     assert res.exit_code == 130 and not out.exists() and not list(tmp_path.glob(".*"))
 
 
-def test_usage_errors(tmp_path):
+def test_usage_errors_exit_2(tmp_path):
+    """Usage errors exit 2 with one line (the README's exit status), before the model loads."""
     res = CliRunner().invoke(cli, ["score", str(tmp_path / "missing.parquet"), "--no-progress"])
-    assert res.exit_code == 1 and "no such file or directory" in res.output
+    assert res.exit_code == 2 and "no such file or directory" in res.output
     res = CliRunner().invoke(cli, ["score", "x", "--format", "csv"])
     assert res.exit_code == 2
     res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--text-column", "a",
                                    "--messages-column", "b"])
-    assert res.exit_code == 1 and "not both" in res.output
+    assert res.exit_code == 2 and "not both" in res.output
+    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--device", "tpu"])
+    assert res.exit_code == 2 and "'tpu'" in res.output and "cuda:N" in res.output
+    res = CliRunner().invoke(cli, ["verify", str(SAMPLE / "conversations.parquet"), "--device", "tpu"])
+    assert res.exit_code == 2
+    assert not res.exception or isinstance(res.exception, SystemExit)
 
 
 def test_wrong_adapter_for_the_model(tmp_path):
@@ -127,4 +133,4 @@ def test_engine_setting_errors_are_for_people():
     res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--max-length", "10"])
     assert res.exit_code == 1 and "raise --max-length" in res.output
     res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--batch-tokens", "100"])
-    assert res.exit_code == 1 and "--batch-tokens (100) must be at least --max-length" in res.output
+    assert res.exit_code == 2 and "--batch-tokens (100) must be at least --max-length" in res.output
