@@ -9,12 +9,16 @@ Conventions shared with the kernels:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
 from .spans import RankSpans
+from .types import AttnShape, PrefixKV, RopeCols
+
+__all__ = ["AttnShape", "PrefixKV", "RopeCols"]  # re-exported: the engine imports them from here
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -24,45 +28,75 @@ def _acc(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-ROW_BLOCK = 16  # rows per block in the CPU twins' batch-invariant products and elementwise ops
+ROW_BLOCK = 16  # rows are padded to a multiple of this in the CPU twins' products
+_MIN_CHUNK = 256  # rows a pool thread takes at least: smaller products are not split
+_POOL: ThreadPoolExecutor | None = None
+_THREADS = 1
+
+
+def set_threads(n: int) -> None:
+    """Run the CPU twins on n threads: torch's own (OpenMP, MKL) pinned to 1, and a pool of n - 1 more Python
+    threads, each at 1 torch thread, taking whole row chunks and whole sequences.
+    Why: MKL splits K across its threads for some shapes, and then a row's product depends on how many rows
+    share the call (2 threads: rows moved with M for K >= 1000 at N 16 to 512) and on the thread count; one
+    thread's product gave every row the same bits for every M (K 512-4096, N 16-2048). And on a shared
+    2-core machine OpenMP's barriers collapsed (a 20-row file: 67 s on 2 threads, 11 s on 1; issue 35)."""
+    global _POOL, _THREADS
+    if n < 1:
+        raise ValueError(f"threads must be at least 1, got {n}")
+    torch.set_num_threads(1)
+    if _POOL is not None:
+        _POOL.shutdown()
+    _POOL = ThreadPoolExecutor(n - 1, "policyscan-cpu", torch.set_num_threads, (1,)) if n > 1 else None
+    _THREADS = n
+
+
+def _map(fn: Callable, items: Iterable) -> list:
+    """fn over items, on the pool's threads and this one: a chunk's result never depends on which thread ran it."""
+    items = list(items)
+    if _POOL is None or len(items) < 2:
+        return [fn(i) for i in items]
+    mode = torch.is_inference_mode_enabled()  # thread-local: the pool's threads take the caller's
+
+    def run(i):
+        with torch.inference_mode(mode):
+            return fn(i)
+    rest = [_POOL.submit(run, i) for i in items[1:]]
+    return [fn(items[0])] + [f.result() for f in rest]
+
+
+def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T over the last two dims (x [..., M, K], w [..., N, K]), each row's bits independent of M: rows
+    padded to a multiple of 16, so the GEMM never takes its few-row kernel (a 1-row product took another
+    kernel than a 37-row one: f moved in 20 of 20 batches, fp32). Outputs narrower than 16 columns (the LoRA
+    shrink, short sequences' scores) are an elementwise product and a sum over K: a GEMM that narrow still
+    moved with the row's place in its block (K=33, N=7)."""
+    M, K, N = x.shape[-2], x.shape[-1], w.shape[-2]
+    if N < ROW_BLOCK:
+        step = max(1, (1 << 22) // max(1, w.numel()))  # bound the [rows, N, K] temporary to ~4M elements
+        return torch.cat([(x[..., i:i + step, None, :] * w.unsqueeze(-3)).sum(-1) for i in range(0, max(M, 1), step)],
+                         -2)
+    pad = (-M) % ROW_BLOCK
+    xp = torch.cat([x, x.new_zeros(x.shape[:-2] + (pad, K))], -2) if pad else x
+    return (xp @ w.transpose(-1, -2))[..., :M, :]
 
 
 def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T where each row's result does not depend on the other rows (batch invariance on the CPU).
-
-    A plain CPU matmul does depend on them: a 1-row product takes another kernel than a 37-row one, and
-    the needle test saw f differ in 20 of 20 batches (fp32). Fixed 16-row blocks in one bmm give every row
-    the same kernel and reduction order; outputs narrower than 16 columns (the LoRA shrink) go through an
-    elementwise product and a sum over K instead, since a blocked GEMM that narrow still moved with the
-    row's place in its block (K=33, N=7)."""
-    M, K = x.shape
-    if w.shape[0] < ROW_BLOCK:
-        out = torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device)
-        step = max(1, (1 << 22) // max(1, w.numel()))  # bound the [rows, N, K] temporary to ~4M elements
-        for i in range(0, M, step):
-            out[i:i + step] = (x[i:i + step, None, :] * w[None]).sum(-1)
-        return out
-    pad = (-M) % ROW_BLOCK
-    xp = torch.cat([x, x.new_zeros(pad, K)]) if pad else x
-    return (xp.reshape(-1, ROW_BLOCK, K) @ w.T).reshape(-1, w.shape[0])[:M]
-
-
-def row_blocks(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn over fixed 16-row blocks. CPU elementwise kernels split work by the tensor's size (threads,
-    vector tails), and transcendental functions (exp, rsqrt) take another code path in a tail: with
-    SiLU on whole batches, f moved in the last bits for 3 of 400 prompts when the batch size changed."""
+    """x @ w.T where each row's result does not depend on the other rows (batch invariance on the CPU), in
+    16-row-aligned chunks over the pool's threads (set_threads)."""
     M = x.shape[0]
-    pad = (-M) % ROW_BLOCK
-    xp = torch.cat([x, x.new_zeros((pad,) + x.shape[1:])]) if pad else x
-    return torch.cat([fn(xp[i:i + ROW_BLOCK]) for i in range(0, xp.shape[0], ROW_BLOCK)])[:M]
+    parts = min(_THREADS, M // _MIN_CHUNK)
+    if parts < 2:
+        return _product(x, w)
+    step = -(-M // parts // ROW_BLOCK) * ROW_BLOCK
+    return torch.cat(_map(lambda i: _product(x[i:i + step], w), range(0, M, step)))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Semantics: (x / sqrt(mean(x^2) + eps)) * weight, in fp32, rounded to x.dtype."""
-    def norm(xb: torch.Tensor) -> torch.Tensor:
-        xf = xb.to(_acc(xb))
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xf.dtype)).to(x.dtype)
-    return row_blocks(norm, x)
+    """Semantics: (x / sqrt(mean(x^2) + eps)) * weight, in fp32, rounded to x.dtype.
+    On whole tensors: every op here gives a row the bits it gets in a 16-row block alone (tests/test_cpu_threads)."""
+    xf = x.to(_acc(x))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xf.dtype)).to(x.dtype)
 
 
 def head(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, head_rows: torch.Tensor,
@@ -118,7 +152,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: t
     u8, scale = quantize_rows(u, x_amax.amax(0) if x_amax is not None else None)
     s = lora_shrink(x, A, token_adapter) if A is not None else None
     if norm_weight is not None:
-        rstd = row_blocks(lambda xb: torch.rsqrt(xb.to(_acc(xb)).pow(2).mean(-1, keepdim=True) + eps), x).squeeze(-1)
+        rstd = torch.rsqrt(x.to(_acc(x)).pow(2).mean(-1) + eps)
         scale = scale * rstd
         s = s * rstd[:, None] if s is not None else None
     return u8, scale, s.to(A.dtype) if s is not None else None
@@ -168,7 +202,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     if residual is not None:
         acc = acc + residual.to(dt)
     if silu_out:
-        return row_blocks(lambda a: (F.silu(a[:, 0::2]) * a[:, 1::2]).to(out_dtype), acc)
+        return (F.silu(acc[:, 0::2]) * acc[:, 1::2]).to(out_dtype)
     y = acc.to(out_dtype)
     return rope_cols(y, rope) if rope is not None else y
 
@@ -180,89 +214,12 @@ def interleave_halves(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.stack([g, u], dim + 1).flatten(dim, dim + 1)
 
 
-@dataclass(frozen=True)
-class AttnShape:
-    """How q, k, v sit in one row of the fused qkv projection: [q heads | k heads | v heads] x head_dim."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    def __post_init__(self) -> None:
-        if self.heads % self.kv_heads or self.head_dim % 2:
-            raise ValueError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads}; "
-                             f"head_dim {self.head_dim} must be even (rotary halves)")
-
-
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding (HF layout) in fp32, rounded to x.dtype; x [T, heads, D], cos/sin [T, D/2]."""
     xf = x.to(_acc(x))
     x1, x2 = xf.chunk(2, dim=-1)
     c, s = cos[:, None, :].to(xf.dtype), sin[:, None, :].to(xf.dtype)
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
-@dataclass(frozen=True)
-class PrefixKV:
-    """One layer's cached qkv rows of the per-policy prompt prefixes, and which rows each sequence reads.
-
-    Sequence b attends first to rows[start[b] : start[b] + length[b]] (positions 0 .. length-1), then to its
-    own tokens (positions length[b] ...). length 0: no prefix. Only the k and v parts of the rows are read."""
-
-    rows: torch.Tensor    # [P_total, (H + 2 Hkv) D]
-    start: torch.Tensor   # [B] int32
-    length: torch.Tensor  # [B] int32
-
-
-@dataclass(frozen=True)
-class RopeCols:
-    """The rotary embedding of a projection's output, applied by lora_gemm as it writes it. Columns [0, cols)
-    hold heads of head_dim columns, q heads [0, q_cols) first, then k heads; each head is normed (Qwen3's
-    q_norm / k_norm, rounded to the output dtype) when norms are given, then rotated at its row's position
-    (cos/sin tables [P, head_dim / 2] fp32; fp32 inside, rounded to the output dtype). Later columns (v) are
-    left alone. `packed`, when given, holds the same tables as pack_rope packs them: what the Gluon GEMM's
-    epilogue reads (lora_gemm_ws.rope_ok); without it the pass after the GEMM rotates, with the same bits."""
-
-    positions: torch.Tensor  # [M] int64, each row's position in its sequence (a cached prefix included)
-    cos: torch.Tensor
-    sin: torch.Tensor
-    head_dim: int
-    cols: int
-    q_cols: int = 0
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    eps: float = 1e-6
-    packed: torch.Tensor | None = None  # [P, head_dim / 2] int32
-
-    def __post_init__(self) -> None:
-        D = self.head_dim
-        if D % 2 or self.cols % D or self.q_cols % D or not 0 <= self.q_cols <= self.cols:
-            raise ValueError(f"rope columns {self.q_cols} (q) of {self.cols} must be whole heads of {D} (even)")
-        c, s = self.cos, self.sin
-        if (c.shape != s.shape or c.dim() != 2 or c.shape[1] != D // 2 or c.dtype != torch.float32
-                or s.dtype != torch.float32 or not (c.is_contiguous() and s.is_contiguous())):
-            raise ValueError(f"cos/sin must be contiguous fp32 [positions, {D // 2}], got {tuple(c.shape)}")
-        pk = self.packed
-        if pk is not None and (pk.shape != c.shape or pk.dtype != torch.int32 or not pk.is_contiguous()):
-            raise ValueError(f"packed rope tables must be contiguous int32 {tuple(c.shape)} (pack_rope)")
-        if self.positions.dim() != 1 or self.positions.dtype != torch.int64:
-            raise ValueError(f"positions must be int64 [rows], got {self.positions.dtype} "
-                             f"{tuple(self.positions.shape)}")
-        if (self.q_norm is None) != (self.k_norm is None):
-            raise ValueError("q_norm and k_norm come together")
-        if self.normed and (self.q_norm.shape != (D,) or self.k_norm.shape != (D,)):
-            raise ValueError(f"q_norm and k_norm must be [{D}]")
-
-    @property
-    def normed(self) -> bool:
-        return self.q_norm is not None
-
-    def split(self, split: int, rows: torch.Tensor) -> tuple[RopeCols, RopeCols]:
-        """For DenseLoraLinear.split_rows: columns [:split] at `rows`, and columns [split:] at every row."""
-        head = replace(self, positions=self.positions[rows], cols=min(self.cols, split),
-                       q_cols=min(self.q_cols, split))
-        tail = replace(self, cols=max(self.cols - split, 0), q_cols=max(self.q_cols - split, 0))
-        return head, tail
 
 
 def rope_tables(ang: torch.Tensor, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -306,45 +263,48 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
     sequence's row is zero. `window` limits each query to its last `window` keys. row_amax: also return
     partial row maxima of |out| [P, Tq] (see prologue's x_amax).
 
-    Every product is row-blocked (rows_matmul, row_blocks), so a query's result depends only on its own
+    One sequence at a time (over the pool's threads), all its heads in two batched products whose rows are
+    independent of how many queries share them (_product), so a query's result depends only on its own
     sequence: the same with or without the prefix cache, in any batch."""
-    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
-    dt = _acc(qkv)
-
-    def split(rows: torch.Tensor):
-        n = rows.shape[0]
-        return (rows[:, :H * D].reshape(n, H, D), rows[:, H * D:(H + Hkv) * D].reshape(n, Hkv, D),
-                rows[:, (H + Hkv) * D:].reshape(n, Hkv, D))
-
     bounds = cu_seqlens.tolist()
-    out = torch.zeros(len(bounds) - 1 if last_only else qkv.shape[0], H * D, dtype=qkv.dtype, device=qkv.device)
-    for i in range(len(bounds) - 1):  # per sequence: sequences never see each other
-        s, e = bounds[i], bounds[i + 1]
+    n_seq = len(bounds) - 1
+    plen = prefix.length.tolist() if prefix is not None else [0] * n_seq
+    pstart = prefix.start.tolist() if prefix is not None else [0] * n_seq
+    out = torch.zeros(n_seq if last_only else qkv.shape[0], shape.heads * shape.head_dim, dtype=qkv.dtype,
+                      device=qkv.device)
+    q_cols = shape.heads * shape.head_dim
+
+    def one(i: int) -> None:  # writes its sequence's rows of out: sequences never see each other
+        s, e, P = bounds[i], bounds[i + 1], plen[i]
         if s == e:
-            continue
-        q, k, v = split(qkv[s:e])
-        P = int(prefix.length[i]) if prefix is not None else 0
+            return
+        kv = qkv[s:e, q_cols:]
         if P:
-            p0 = int(prefix.start[i])
-            _, pk, pv = split(prefix.rows[p0:p0 + P])
-            k, v = torch.cat([pk, k]), torch.cat([pv, v])
-        m = P + e - s
-        kpos = torch.arange(m, device=qkv.device)
-        if last_only:
-            q = q[-1:]
-        qpos = kpos[m - q.shape[0]:]
-        mask = kpos[None, :] <= qpos[:, None]
-        if window is not None:
-            mask &= kpos[None, :] > qpos[:, None] - window
-        heads = []
-        for h in range(H):
-            kv = h // (H // Hkv)
-            scores = rows_matmul(q[:, h].to(dt), k[:, kv].to(dt)) * scale
-            probs = row_blocks(lambda x: torch.softmax(x, dim=-1), scores.masked_fill(~mask, float("-inf")))
-            heads.append(rows_matmul(probs, v[:, kv].to(dt).T))
-        o = torch.stack(heads, dim=1).reshape(q.shape[0], H * D).to(qkv.dtype)
+            kv = torch.cat([prefix.rows[pstart[i]:pstart[i] + P, q_cols:], kv])
+        o = _attend(qkv[e - 1:e, :q_cols] if last_only else qkv[s:e, :q_cols], kv, shape, scale, window)
         if last_only:
             out[i] = o[0]
         else:
             out[s:e] = o
+
+    _map(one, range(n_seq))
     return (out, amax_parts(out)) if row_amax else out
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor, shape: AttnShape, scale: float, window: int | None) -> torch.Tensor:
+    """One sequence's attention: q [n, H*D], the last n of its m tokens; kv [m, 2*Hkv*D]; returns [n, H*D].
+    A query row is (kv head, head in its group, token): the GQA group's heads share one product with their keys."""
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    G, n, m, dt = H // Hkv, q.shape[0], kv.shape[0], _acc(q)
+    qh = q.to(dt).reshape(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
+    k = kv[:, :Hkv * D].to(dt).reshape(m, Hkv, D).transpose(0, 1)
+    v = kv[:, Hkv * D:].to(dt).reshape(m, Hkv, D).permute(1, 2, 0)
+    kpos = torch.arange(m, device=q.device)
+    qpos = kpos[m - n:, None]
+    hidden = kpos[None, :] > qpos
+    if window is not None:
+        hidden |= kpos[None, :] <= qpos - window
+    scores = (_product(qh, k.contiguous()) * scale).view(Hkv, G, n, m).masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(Hkv, G * n, m)
+    o = _product(probs, v.contiguous())  # [Hkv, G*n, D]
+    return o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, H * D).to(q.dtype)
