@@ -73,8 +73,10 @@ class StrictStop(InputError):
 def run_key(engine: Engine, spec: ReadSpec, out: OutputSpec, input_sha: str) -> str:
     """What an output depends on: input bytes, model, adapters and calibration, and every setting."""
     d = engine.describe()
+    # threads change no bit of f (tests/test_cpu_threads.py): an archive scored with another --threads is done
+    settings = {k: v for k, v in d["settings"].items() if k != "threads"}
     parts = {"input": input_sha, "model": d["model"]["sha256"], "policies": d["policies"],
-             "settings": d["settings"], "precision": d["precision"], "read": asdict(spec), "out": asdict(out),
+             "settings": settings, "precision": d["precision"], "read": asdict(spec), "out": asdict(out),
              "version": d["policyscan_version"]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
