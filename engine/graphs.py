@@ -8,7 +8,7 @@ the rest of the batch, so a replayed batch gives bitwise what the eager forward 
 
 Why only small batches: a forward launches ~10 kernels per layer (280 at W1's 28 layers), each with host
 work (the GEMM builds two TMA descriptors per launch); a 16k-token batch keeps the GPU busy ~100 ms, which
-hides that (W1: 4.60 s of GPU time in 4.63 s of wall time, run 10), but a batch of a few thousand tokens or
+hides that (W1: 4.60 s of GPU time in 4.63 s of wall time), but a batch of a few thousand tokens or
 fewer (the tail of every file a cron job scores) runs in about the time its launches take: W4 in
 2048-token batches ran 2.04x faster replayed than eager. Padding costs at most 2x
 the tokens of a small batch and nothing above `max_tokens`, which runs eagerly.

@@ -75,7 +75,7 @@ class Decoder:
             positions = positions + prefix.length[batch.token_adapter.long()]
         # q and k are normed and rotated by the qkv GEMM as it writes them (a cached prefix keeps rotated keys),
         # so the attention reads them as they are: no rope pass, no rotation inside the attention
-        # (kernels/gluon_rope.py: W1 +0.3% end to end, run 97).
+        # (kernels/gluon_rope.py: W1 +0.3% end to end).
         q_cols, D = cfg.heads * cfg.head_dim, cfg.head_dim
         h = self.embed[batch.ids]
         h_amax = None  # partial row maxima of |h * next norm weight|: see below
@@ -88,8 +88,7 @@ class Decoder:
                             cfg.rms_eps, packed)
             # qkv's prologue streams x by TMA (kernels/gluon_prologue.py), the other three do not: at the 700 W
             # cap the faster prologue's power spike slows the GEMM after it, which the short qkv GEMM (and the
-            # attention after it) absorb and gate_up's does not (qkv's alone: W1 +0.84%, W4 +1.5%; all four: W1 -3.1%;
-            # runs 132-140)
+            # attention after it) absorb and gate_up's does not (qkv's alone: W1 +0.84%, W4 +1.5%; all four: W1 -3.1%)
             if last_only:  # each row's own adapter: a padded batch's empty sequences repeat a last index
                 qkv = layer.qkv.split_rows(h, tok_ad, q_cols, last, tok_ad[last], x_amax=h_amax, rope=rope, tma=True)
             else:

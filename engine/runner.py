@@ -34,10 +34,8 @@ def version(package: str = "policyscan") -> str:
 class EngineSettings:
     device: str = "auto"
     precision: str = "auto"
-    # 65536: W1 172.2k-172.5k and W4 464.5k tok/s against 169.4k-169.6k and 456.3k at 32768, alternating in one
-    # call, at a lower clock (1410 against 1425 MHz: less energy a token at the power cap); 98304 and 131072
-    # gave 171.3k and 172.7k-172.8k (runs 98-99); 131072 against 65536 again, alternating: 177.3k / 177.2k
-    # against 177.4k / 177.4k (run 109). About 2.5 GB of activations at W1's shape.
+    # 65536: W1 +1.6%, W4 +1.8% against 32768 (fewer, fuller batches); 131072 within 0.1% (docs/performance.md).
+    # About 2.5 GB of activations at W1's shape.
     batch_tokens: int = 65536
     max_length: int = 2048
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
@@ -109,7 +107,7 @@ class Engine:
                 self._prefix = self.decoder.prefill_prefixes([b.head for b in self.builders])
         self._graphs: dict[bool, GraphedForward] = {}
         # The outputs' metadata names the model by a sha256 of its files: for W1's 6.4 GB that took 7.3 s after
-        # scoring (run 41). Hashed now, behind the scoring; after the load, so as not to compete with its reads.
+        # scoring. Hashed now, behind the scoring; after the load, so as not to compete with its reads.
         self._model_sha = in_background(self.checkpoint.fingerprint, "policyscan-model-sha256")
 
     def score(self, prompts: list[list[int]], adapters: list[int] | np.ndarray) -> np.ndarray:

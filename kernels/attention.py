@@ -13,7 +13,7 @@ short sequence lacks.
 Batch invariance: a program walks its sequence's keys in a fixed order, so nothing outside the sequence
 changes its result.
 Why not a library kernel: on W1's first 16k-token batch PyTorch's FlashAttention-2 varlen forward took 429 us
-against this kernel's 280 us (both batch-invariant; bench/sweep.py attention_lib, run 16), and it cannot read
+against this kernel's 280 us (both batch-invariant; bench/sweep.py attention_lib), and it cannot read
 cached prefix rows in place.
 """
 from __future__ import annotations
@@ -52,13 +52,13 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
         m_blk = tl.max(qk, axis=1)
     # max(qk) * scale, not max(qk * scale): the same bits (rounding is monotone and qk_scale > 0) for one
     # multiply a row instead of one a score (the unmasked loop: 348 -> 326 instructions a thread and key block
-    # in SASS for sm_90a; end to end within the noise, run 109)
+    # in SASS for sm_90a; end to end within the noise)
     m_new = tl.maximum(m_i, m_blk * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     # The same instructions with and without the mask, which is applied after: a key block is masked or not
     # depending on where the query block starts, and that differs between a cached prefix and one computed
     # inline. An explicit fma, since the compiler contracted `s - m` into one only where no select sat
-    # between them, and the prefix cache's bitwise tests caught it (run 38).
+    # between them, and the prefix cache's bitwise tests caught it.
     p = tl.exp2(tl.fma(qk, qk_scale, -m_safe[:, None]))
     if MASK:
         p = tl.where(ok, p, 0.0)
@@ -185,15 +185,15 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
     interpret = qkv.device.type == "cpu"
     G = H // Hkv
     # BQ * G <= 64 rows (16 queries of 4 heads at W4's group, 21 of 3 at W1's), 32-key blocks, 4 warps,
-    # 3 stages: the best of 32 configs at both heads (bench/sweep.py attention, run 46; W1's group then padded
+    # 3 stages: the best of 32 configs at both heads (bench/sweep.py attention; W1's group then padded
     # to 4 heads), W1's 291 us against the one-head kernel's 301, W4's 185 against 208, with bitwise the same
     # rows. maxnreg 168: three programs an SM instead of two (254 registers at W1's heads then, rotating q):
-    # W1's heads 330 -> 289 us, W4's 202 -> 201 (run 55). On q rotated by the qkv GEMM, 128-wide heads take
+    # W1's heads 330 -> 289 us, W4's 202 -> 201. On q rotated by the qkv GEMM, 128-wide heads take
     # 2 stages and maxnreg 128 (four programs an SM): W1 +0.4% end to end, every one of 3 alternating passes
-    # (173.2k against 172.5k mean, run 100; 11.6 against 11.7 ms over a layer of its plan, run 93); at W4's
+    # (173.2k against 172.5k mean; 11.6 against 11.7 ms over a layer of its plan); at W4's
     # 64-wide heads that lost 9% (9.3 against 8.6 ms), so narrower heads keep 3 stages and 168. Rescaling the
     # accumulator only when a row maximum grows past 2^8 (FlashAttention-4's lazy rescale: a block-wide branch)
-    # lost 1.3% end to end at W1, 2.6% with 64-key blocks (run 102); exp2 as ex2.approx.ftz changed nothing (run 104)
+    # lost 1.3% end to end at W1, 2.6% with 64-key blocks; exp2 as ex2.approx.ftz changed nothing
     wide = D >= 128
     cfg = dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1) if interpret else \
         dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=2 if wide else 3, maxnreg=128 if wide else 168)

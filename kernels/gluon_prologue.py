@@ -10,16 +10,16 @@ are 128 bytes, the widest swizzle), well ahead of use; one warpgroup reads each 
 the quantization while the shrink's bf16 wgmma reads the same box, and h8 leaves by TMA stores. Programs are
 persistent (two an SM), so the loader runs into the next row block while the last one's stores drain. A block
 holding several adapters sweeps again for each (from L2), only the first sweep quantizing.
-Speed (32k rows, run 131): qkv 138 -> 97 us, o 93 -> 90, gate_up 149 -> 93, down 259 -> 237 against the Triton
+Speed (32k rows): qkv 138 -> 97 us, o 93 -> 90, gate_up 149 -> 93, down 259 -> 237 against the Triton
 kernel: 3.1-3.5 TB/s of one pass over x and h8, where torch's bf16 -> e4m3 cast runs 3.33.
 Where it runs: only where the caller asks (model.py: qkv's prologue). At the 700 W cap a memory-bound kernel is
 judged by the kernel after it: gate_up's GEMM ran 12% slower right after this prologue (the HBM burst's power
 spike cuts the clock; 140 us of idle between the two gave most of it back), so with every FP8 prologue here W1
-lost 3.1% (runs 132-137); with qkv's alone it gained 0.84% (run 139), and o's and down's lost 0.2%.
+lost 3.1%; with qkv's alone it gained 0.84%, and o's and down's lost 0.2%.
 
 Rows: h8 is bitwise the Triton kernel's (the same fp32 products, the same rounding); the norm's sum of squares and
 the shrink are reduced in another order (per 64-column box, the MMA chained over a stage), so h_scale and s may
-differ from it in the last bits (run 129: 3.4e-7 relative, 1e-5 absolute). Which kernel runs depends on the call
+differ from it in the last bits (3.4e-7 relative, 1e-5 absolute). Which kernel runs depends on the call
 site, K, the rank and the dtypes, never on the number of rows (`usable`), so rows stay independent of the batch.
 CPU: Gluon has no interpreter; the Triton kernel (prologue.py) runs there.
 """
@@ -228,7 +228,7 @@ def prologue_ws(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A
     """Launcher; prologue.prologue has checked the arguments and `usable`. Writes h [M, K] e4m3, hs [M] and
     s [M, R]. sub (64-column boxes a stage), stages and programs_per_sm are for sweeps: 2 boxes, 3 stages and two
     programs an SM (112 KB of shared memory each at rank 64, 128 registers a thread) were the best of 8 rings for
-    the norm prologues and within 5% for the others (run 131)."""
+    the norm prologues and within 5% for the others."""
     M, K = x.shape
     R = A.shape[1] if A is not None else 0
     BR = max(16, triton.next_power_of_2(max(R, 1)))

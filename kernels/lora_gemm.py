@@ -5,7 +5,7 @@ Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype)
 gate and up and y = silu(y[:, 0::2]) * y[:, 1::2] — reference.lora_gemm.
 
 Why SiLU-and-mul here: as the down projection's prologue it re-read the [T, 2I] gate/up output twice,
-392 us of each 16k-token batch per layer at W1's shape (bench/sweep.py, run 4); here gate and up sit
+392 us of each 16k-token batch per layer at W1's shape (bench/sweep.py); here gate and up sit
 side by side in the accumulator and only [T, I] is written.
 
 Why fused: the expand reads s [M, R] and one [BN, R] slice of B per tile; doing it in the epilogue saves
@@ -165,11 +165,11 @@ def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict
     feed (pointers or TMA, persistent or not) only choose which rows and columns share a program.
 
     Large M: TMA-fed, persistent, 128x256x128, 8 warps, 3 stages, best at all four W1 shapes at 16k rows
-    (bench/sweep.py, run 7): 1068 / 969 / 1073 / 1155 TF/s for N,K = 5120,3072 / 3072,3072 / 16384,3072 /
+    (bench/sweep.py): 1068 / 969 / 1073 / 1155 TF/s for N,K = 5120,3072 / 3072,3072 / 16384,3072 /
     3072,8192, against 1035 / 802 / 1023 / 953 for the pointer-fed kernel this replaced (which also used
     128-wide N tiles below N=4096) and 1132 / 1087 / 1140 / 1197 for torch._scaled_mm. Small M: 128x256 tiles
-    leave most of the 132 SMs idle (36 tiles at M=300, N=3072: 2.9x bare _scaled_mm, run 1), so narrower
-    tiles there. The bf16 path keeps the pointer-fed tiles it was measured with (run 1)."""
+    leave most of the 132 SMs idle (36 tiles at M=300, N=3072: 2.9x bare _scaled_mm), so narrower
+    tiles there. The bf16 path keeps the pointer-fed tiles it was measured with."""
     if interpret:
         return dict(BM=16, BN=32, BK=32, GROUP_M=4, num_warps=4, num_stages=1)
     bk = 128 if dtype == torch.float8_e4m3fn else 64
@@ -181,7 +181,7 @@ def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict
         return dict(BM=64, BN=128, BK=bk, GROUP_M=8, num_warps=4, num_stages=4)
     if M <= 2048:
         # the widest tile that still gives 64 or more tiles: best or within 4% of the best of nine configs
-        # at M = 512 and 2048 on the four W1 shapes (run 8), 1.2-1.45x the 64x128 tiles used before
+        # at M = 512 and 2048 on the four W1 shapes, 1.2-1.45x the 64x128 tiles used before
         bn = 256 if triton.cdiv(M, 128) * triton.cdiv(N, 256) >= 64 else 128
         return dict(BM=128, BN=bn, BK=bk, GROUP_M=8, num_warps=8, num_stages=3, TMA=True)
     return dict(BM=128, BN=256, BK=bk, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSISTENT=True)
@@ -204,11 +204,11 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
 
     FP8 batches of WS_MIN_ROWS rows or more on a Hopper GPU go to the warp-specialized Gluon kernel
     (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes at 16k rows
-    (bench/sweep.py gemm_ws, run 22). Both give bitwise the same rows (every case checked there, and
+    (bench/sweep.py gemm_ws). Both give bitwise the same rows (every case checked there, and
     tests/test_kernels.py::test_fp8_gemm_kernels_agree_bitwise), so the choice by M keeps batch invariance.
     Stacked ranks over 64 (r = 32 on q, k and v is 96) take the Gluon kernel at the same M, its expand in 64-rank
     pieces: the Triton kernel's 128x256 tiles spill at BR = 128 (2.7 KB a thread compiled for sm_90a, against
-    1.0 KB at 64) and ran rank 192 with 128 adapters at 587 against the Gluon kernel's 162 us (M = 3000, run 75)."""
+    1.0 KB at 64) and ran rank 192 with 128 adapters at 587 against the Gluon kernel's 162 us (M = 3000)."""
     M, K = x.shape
     N = W.shape[0]
     if W.shape[1] != K or x.dtype != W.dtype:
@@ -241,10 +241,10 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         raise ValueError(f"out must be [{M}, {n_out}] {out_dtype} with a contiguous last dimension")
     y = out if out is not None else torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     # Small batches stay on the Triton kernel: at M = 300 its 13 us beat the ping-pong's 14 us (72 tiles of
-    # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm, runs 9 and 25), and at
-    # 64-300 rows it wins at every rank, 1.04-1.85x, spilling or not (run 81). Past 1024 rows the Gluon kernel
+    # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm), and at
+    # 64-300 rows it wins at every rank, 1.04-1.85x, spilling or not. Past 1024 rows the Gluon kernel
     # is ahead: a W1 layer's four GEMMs 1.02x at 1280 rows, 1.11-1.13x at 1536-2048; W4's 1.01x, 1.02-1.08x
-    # (run 82; at 768, 0.94x / 1.01x).
+    # (at 768, 0.94x / 1.01x).
     if (not config and M >= WS_MIN_ROWS and lora_gemm_ws is not None and x_scale is not None
             and lora_gemm_ws.usable(x, W, y, residual, B)):
         amax = torch.empty((triton.cdiv(N, lora_gemm_ws.BN), M), dtype=torch.float32, device=x.device) \

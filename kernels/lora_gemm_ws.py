@@ -6,16 +6,16 @@ gate and up and y = silu(y[:, 0::2]) * y[:, 1::2]; with amax, amax[n, m] = max |
 tile n's columns — reference.lora_gemm, as kernels.lora_gemm.
 
 Why: in the Triton persistent kernel (lora_gemm.py) a tile's epilogue runs while the tensor cores idle (Triton
-3.6's automatic warp specialization did not change that, run 16). Here, as in CUTLASS's ping-pong schedule, a
+3.6's automatic warp specialization did not change that). Here, as in CUTLASS's ping-pong schedule, a
 loader warp streams operands by TMA through a ring of shared-memory stages and two consumer warpgroups take
 alternate 128x128 tiles (a 128x128 fp32 accumulator is 128 registers a thread): while one runs a tile's MMAs,
 the other runs the previous tile's epilogue. The residual arrives by TMA during the mainloop and the output
 leaves by TMA (pointer tiles spilled 744-904 bytes a thread). The multi-LoRA expand is gluon_expand.py's, the
-SiLU-and-mul fast_math.py's (the Triton kernel's instructions, so the same bits: run 108), the rope gluon_rope.py's.
+SiLU-and-mul fast_math.py's (the Triton kernel's instructions, so the same bits), the rope gluon_rope.py's.
 Run 22 (16k rows, W1's qkv / o / gate_up / down): 434 / 277 / 1373 / 696 us against the Triton kernel's
 466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693; 4 stages (5 fit only at gate_up: 1432 us).
 Cooperative 128x256 tiles (two m64n256 consumers sharing W tiles, as DeepGEMM) gave the same rows at 0.93-1.05x
-this speed and nothing end to end (run 59).
+this speed and nothing end to end.
 Batch invariance: BK is fixed and one warpgroup reduces K in order, with the Triton kernel's MMA instructions in
 its order: the rows are bitwise that kernel's (test_fp8_gemm_kernels_agree_bitwise), so lora_gemm picks by M.
 CPU: Gluon has no interpreter; the same semantics run in lora_gemm.py's Triton kernel under TRITON_INTERPRET=1.
@@ -283,11 +283,11 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     if group_m is None:
         # Grouped tile order: a group's row tiles share each W tile while it is in L2; at the 700 W cap W's DRAM
         # re-reads are energy. W1's gate_up (50 MB of W), held for seconds: groups 1 / 4 / 16 1075 / 1156 / 1228
-        # TF/s (run 111), 16 / 24 / 32 1229 / 1249 / 1220 (run 112); W1 end to end +0.5% at 24 (178.7k against
-        # 177.8k, every pass; with qkv at 24 too, none: run 113). Narrow N (o, down) at 12, not the 8 of burst
-        # timings (runs 55-56): held at the cap o 1111 -> 1128 TF/s, down 1218 -> 1228 (run 114); W1 end to end
-        # +0.23% every one of 4 alternating passes, 16 -0.2% (run 115). The order changes no output bit; a snake
-        # order lost 0.4% end to end (run 102).
+        # TF/s, 16 / 24 / 32 1229 / 1249 / 1220; W1 end to end +0.5% at 24 (178.7k against
+        # 177.8k, every pass; with qkv at 24 too, none). Narrow N (o, down) at 12, not the 8 of burst
+        # timings: held at the cap o 1111 -> 1128 TF/s, down 1218 -> 1228; W1 end to end
+        # +0.23% every one of 4 alternating passes, 16 -0.2%. The order changes no output bit; a snake
+        # order lost 0.4% end to end.
         group_m = 24 if N >= 16384 else 16 if N >= 4096 else 12
     sms = sm_count(x.device)
     R = s.shape[1] if s is not None else 0

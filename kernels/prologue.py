@@ -10,8 +10,8 @@ The shrink reads 16-bit activations, never the FP8 ones (docs/design.md). One pr
 in chunks. The FP8 scale needs amax |u| before the first write; the kernels that write every projection's
 input (attention, and the GEMM epilogues, times the next norm's weight) leave partial row maxima of what they
 stored (x_amax), whose max is that amax exactly, so a quantizing prologue sweeps its input once and sums the
-norm's squares on the way (bench/sweep.py, runs 47-48: a W1 layer's four prologues 421 -> ~349 us a 16k
-batch; with run 46's attention, W1 159.8k -> 163.8k tokens/s and W4 430.4k -> 448.0k, run 49). Without
+norm's squares on the way (bench/sweep.py: a W1 layer's four prologues 421 -> ~349 us a 16k
+batch; with the one-pass attention, W1 159.8k -> 163.8k tokens/s and W4 430.4k -> 448.0k). Without
 x_amax (the first layer's input, the embeddings) a first sweep finds the amax; at 16 bits a first sweep finds
 the sum of squares, which must come before the normed h is written.
 """
@@ -52,8 +52,8 @@ def _out_chunk(x_ptr, nw_ptr, h_ptr, rm, m_ok, rk, K, stride_xm, stride_hm, scal
     if QUANT:
         # The shrink reads h = x as loaded (with a norm, A carries its weight): a loaded operand goes to the MMA
         # from the pipeline's shared memory, where the normed u at 16 bits went through registers and a layout
-        # conversion, and the single-adapter sweep wins now (config below; run 89). Without a norm, converting
-        # a fp32 copy back had cost o's prologue 52 -> 71 us (run 48).
+        # conversion, and the single-adapter sweep wins now (config below). Without a norm, converting
+        # a fp32 copy back had cost o's prologue 52 -> 71 us.
         h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
         u = h.to(tl.float32)
         if NORM:
@@ -77,7 +77,7 @@ def _out_chunk(x_ptr, nw_ptr, h_ptr, rm, m_ok, rk, K, stride_xm, stride_hm, scal
 def _shrink_chunk(h, sacc, a_ptr, a_id, ad, rr, rk, R, K, stride_an, stride_ar, PREC: tl.constexpr):
     """sacc += h @ A[a_id].T on one chunk, for the rows of adapter a_id. Masked before the add, which keeps the
     sum in fp32 adds: with the mask after the loop the compiler chained the dots in the tensor core, and the
-    shrink drifted from fp64 by 2.8e-5 against a bound of 9.0e-6 (run 30)."""
+    shrink drifted from fp64 by 2.8e-5 against a bound of 9.0e-6."""
     at = tl.load(a_ptr + a_id * stride_an + rr[:, None] * stride_ar + rk[None, :],
                  mask=(rr[:, None] < R) & (rk[None, :] < K), other=0.0)
     part = tl.dot(h.to(at.dtype), tl.trans(at), input_precision=PREC)
@@ -204,30 +204,29 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         gluon_prologue.prologue_ws(x, norm_weight, eps, A, token_adapter, x_amax, h, hs, s)
         return h, hs, s
     interpret = x.device.type == "cpu"
-    # Per kind, from bench/sweep.py at W1's and W4's shapes, each sweeping once (run 48): a norm 64-row
+    # Per kind, from bench/sweep.py at W1's and W4's shapes, each sweeping once: a norm 64-row
     # programs, 4 warps (qkv 139 -> 89 us a 16k batch against 8 warps, gate_up 75 -> 71 against 32 rows).
     # Quantizing without a norm, the single-adapter sweep (ONE_AD) at 64 rows and 256-wide chunks: o 72 -> 60
     # us, down 190 -> 168, W4's o 49 -> 41 against the adapter loop at 32 rows; the 16-bit path was not measured
     # with it. Quantizing with a norm, since its shrink reads x as loaded, the single-adapter sweep too, in
     # 64-wide chunks 4 stages deep up to rank 32 and 128-wide at 33-64 (W1's 32k batch: gate_up's rank 32 149.0
-    # -> 95.8 us, qkv's 48 156.3 -> 115.9, against the u16 shrink's adapter loop; 64-wide chunks at 48: 150.6;
-    # run 89). The choice depends on K and R only, never on M (batch invariance).
+    # -> 95.8 us, qkv's 48 156.3 -> 115.9, against the u16 shrink's adapter loop; 64-wide chunks at 48: 150.6). The choice depends on K and R only, never on M (batch invariance).
     BR = max(16, triton.next_power_of_2(max(R, 1)))
     if interpret:
         cfg = dict(BM=16, BK=32, num_warps=4, ONE_AD=True)
     elif norm_weight is not None and quant:
         cfg = dict(BM=64, BK=64, num_warps=4, num_stages=4, ONE_AD=True) if BR <= 32 else \
             dict(BM=64, BK=128, num_warps=4, ONE_AD=True)
-    elif norm_weight is not None:  # 16-bit: two sweeps (run 4)
+    elif norm_weight is not None:  # 16-bit: two sweeps
         cfg = dict(BM=64 if R > 32 else 32, BK=128, num_warps=8 if R > 32 else 4, ONE_AD=False)
     elif quant:  # 2 stages, not 3: 80 KB of shared memory a program, so two an SM where 120 KB left room for one;
-        # W1 +0.5% end to end in two A/Bs, every pass, f bitwise the same (runs 118-119)
+        # W1 +0.5% end to end in two A/Bs, every pass, f bitwise the same
         cfg = dict(BM=64, BK=256, num_warps=4, num_stages=2, ONE_AD=True)
     else:
         cfg = dict(BM=32, BK=256, num_warps=4, ONE_AD=False)
     cfg["BK"] = min(cfg["BK"], max(16, triton.next_power_of_2(K)))
     # Stacked ranks past 64: the stages' x and A chunks must fit shared memory (quantizing without a norm at
-    # rank 96 asked for 262,144 of 232,448 bytes, run 75); 200 KiB keeps every config measured at ranks <= 64
+    # rank 96 asked for 262,144 of 232,448 bytes); 200 KiB keeps every config measured at ranks <= 64
     while not interpret and cfg.get("num_stages", 3) * (BR + cfg["BM"]) * cfg["BK"] * x.element_size() > 200 << 10:
         cfg["BK"] //= 2
     cfg.update(config or {})
