@@ -93,7 +93,7 @@ def main() -> None:
         convs = [np.asarray(x) for x in eng.encoder.encode_batch(texts(args.texts))]
         seqs = [b.build(cv)[0] for cv in convs for b in eng.builders]
         ads = [a for _ in convs for a in range(len(pols))]
-        labels = [(eng.encoder.single_token(p.compliant, p), eng.encoder.single_token(p.violation, p)) for p in pols]
+        labels = [eng.encoder.verdict_ids(p) for p in pols]
 
         def dec(dtype, fp8=False, w8a8=False):
             d = load_decoder(ckpt, reference, "cpu", dtype, fp8=fp8, w8a8=w8a8)

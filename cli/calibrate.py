@@ -20,8 +20,8 @@ from ..engine.errors import InputError, PolicyscanError
 from ..engine.policy import load_policy
 from ..engine.runner import Engine, EngineSettings
 from ..engine.sources import ReadSpec, read_chunks
-from .common import (check_lengths, clip_chars, default_model, engine_options, friendly_errors, input_files,
-                     model_option)
+from .common import (chat_template_option, check_lengths, clip_chars, default_model, engine_options, friendly_errors,
+                     input_files, model_option, resolve_chat_template)
 
 MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not written without --force
 
@@ -43,11 +43,13 @@ MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not wr
 @model_option
 @click.option("--text-column", default=None, metavar="C")
 @click.option("--messages-column", default=None, metavar="C")
+@chat_template_option
 @click.option("--id-column", default=None, metavar="C")
 @engine_options
 @friendly_errors
 def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry_run, force, model, text_column,
-              messages_column, id_column, device, precision, batch_tokens, max_length, cuda_graphs) -> None:
+              messages_column, chat_template, id_column, device, precision, batch_tokens, max_length,
+              cuda_graphs) -> None:
     """Fit p = sigmoid(a*f + b) for one policy (Platt, Newton with line search) and record it in policy.json.
 
     Metrics compare the policy's current a, b ("before") with the new fit ("after"); fewer than 10 fit rows
@@ -63,9 +65,12 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         ids, f, raw_labels = _from_scores(files, policy.name, label_column)
         label_col = label_column or "label"
     else:
-        settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs)
-        engine = Engine(model or default_model(), [policy], settings)
         spec = ReadSpec(text_column, messages_column, id_column, max_chars=clip_chars(max_length))
+        model_dir = Path(model or default_model())
+        template = resolve_chat_template(model_dir, chat_template, [policy], files, spec)
+        settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
+                                  chat_template=template)
+        engine = Engine(model_dir, [policy], settings)
         ids, f, raw_labels, label_col = _score(engine, files, spec, label_column)
     y, bad = parse_labels(raw_labels, policy.compliant, policy.violation)
     if bad:

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import click
 
+from ..engine.chat_template import TemplateChoiceError, choose_template
 from ..engine.errors import InputError, PolicyscanError
-from ..engine.sources import expand_inputs
+from ..engine.jsonl import parsed_lines
+from ..engine.prompts import NO_TEMPLATE
+from ..engine.sources import ReadSpec, expand_inputs, pick_column
 
 # the repository's sample_data; an installed wheel ships it as the package policyscan.sample_data, the same place
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
@@ -72,6 +75,53 @@ def engine_options(f):
     ]):
         f = opt(f)
     return f
+
+
+def chat_template_option(f):
+    return click.option("--chat-template", default=None, metavar="FILE|NAME|plain",
+                        help="renders a messages column: a Jinja file, a name of the model's templates, or plain "
+                             "('role: content' lines) [default: the policies' chat_template, else the model's]")(f)
+
+
+def resolve_chat_template(model_dir: Path, choice: str | None, policies: list, files: list[Path],
+                          spec: ReadSpec) -> str | None:
+    """--chat-template made absolute (the metadata records it; verify reruns from anywhere), after checking,
+    before anything loads, that it names a template and that every input with a messages column has one."""
+    import json
+
+    cfg_path = model_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    try:
+        template = choose_template(model_dir, cfg, choice, policies)
+    except TemplateChoiceError as e:
+        raise click.UsageError(str(e)) from e
+    if template is None and (needing := [f for f in files if _has_messages(f, spec)]):
+        raise click.UsageError(f"{needing[0]} has a messages column, but {NO_TEMPLATE} ({model_dir}); pass "
+                               "--chat-template FILE or a template's name, or --chat-template plain for "
+                               "'role: content' lines")
+    return choice if choice is None or choice == "plain" or not Path(choice).is_file() else str(Path(choice).resolve())
+
+
+def _has_messages(path: Path, spec: ReadSpec) -> bool:
+    """Whether the reader will take `path`'s conversation from a messages column (pick_column on the names the
+    reader sees: a Parquet schema, the keys of a JSONL file's first chunk). A file it cannot read is its error."""
+    import pyarrow.parquet as pq
+
+    if spec.text_column or spec.messages_column:
+        return spec.messages_column is not None
+    try:
+        if path.name.endswith(".parquet"):
+            names = pq.ParquetFile(path).schema_arrow.names
+        else:
+            keys: dict[str, None] = {}
+            for n, ((_, obj, _), _) in enumerate(parsed_lines(path)):
+                keys.update(dict.fromkeys(obj or {}))
+                if n + 1 >= spec.chunk_rows:
+                    break
+            names = list(keys)
+        return pick_column(spec, names, path)[1]
+    except Exception:  # unreadable, or no conversation column: reported per file when it is read
+        return False
 
 
 def check_device(ctx, param, value: str | None) -> str | None:

@@ -9,23 +9,26 @@ import click
 
 from ..engine.errors import InputError
 from ..engine.sinks import read_metadata
-from .common import friendly_errors
+from .common import default_model, friendly_errors, model_option
 
 BAD_LINES_SHOWN = 20
 
 
 @click.command("inspect")
 @click.argument("path", type=click.Path(exists=True))
+@model_option
 @friendly_errors
-def inspect_cmd(path: str) -> None:
-    """Describe PATH: a model directory, a policy bundle or a folder of them, a scores output (its metadata),
-    or an input file (JSONL: its malformed lines with their line numbers)."""
+def inspect_cmd(path: str, model: str | None) -> None:
+    """Describe PATH: a model directory, a policy bundle or a folder of them (with the token ids its verdict
+    reads in --model's tokenizer), a scores output (its metadata), or an input file (JSONL: its malformed lines
+    with their line numbers)."""
     p = Path(path)
     bundles = sorted(d for d in p.iterdir() if (d / "policy.json").is_file()) if p.is_dir() else []
     if p.is_dir() and (p / "policy.json").is_file():
-        _echo(_policy(p))
+        _echo(_policy(p, _encoder(model)))
     elif p.is_dir() and not (p / "config.json").is_file() and bundles:
-        _echo({"policies": [_policy(d) for d in bundles]})
+        enc = _encoder(model)
+        _echo({"policies": [_policy(d, enc) for d in bundles]})
     elif p.is_dir():
         from ..engine.checkpoint import Checkpoint
 
@@ -44,15 +47,33 @@ def _echo(obj: dict) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
-def _policy(d: Path) -> dict:
+def _encoder(model: str | None):
+    from ..engine.prompts import TextEncoder
+
+    return TextEncoder(model or default_model(), fast=False)
+
+
+def _policy(d: Path, enc) -> dict:
     from ..engine.policy import load_policy
 
     pol = load_policy(d)
     ranks = sorted({a.shape[0] for a, _ in pol.lora.factors.values()})
     return {"policy": pol.name, "path": str(d), "description": pol.description,
-            "labels": [pol.compliant, pol.violation], "lora_ranks": ranks,
-            "targets": sorted({proj for _, proj in pol.lora.factors}), "calibration": pol.calibration,
-            "threshold": pol.threshold, "adapter_sha256": pol.adapter_sha256}
+            "labels": [pol.compliant, pol.violation], "verdict": _verdict(pol, enc),
+            "prompt_only": not pol.lora.factors, "lora_ranks": ranks,
+            "targets": sorted({proj for _, proj in pol.lora.factors}), "chat_template": pol.chat_template,
+            "calibration": pol.calibration, "threshold": pol.threshold, "adapter_sha256": pol.adapter_sha256}
+
+
+def _verdict(pol, enc) -> dict:
+    """The token each label's logit is read from, in the model's tokenizer, and whether it starts a longer label."""
+    ids = enc.verdict_ids(pol)
+    out = {"model": str(enc.model_dir)}
+    for (which, label), tid in zip((("compliant", pol.compliant), ("violation", pol.violation)), ids):
+        tokens = enc.label_tokens(label)
+        out[which] = {"label": label, "token_id": tid, "token": tokens[0], "label_tokens": tokens,
+                      "reads": "the first token of a longer label" if len(tokens) > 1 else "the whole label"}
+    return out
 
 
 def _parquet(p: Path) -> dict:

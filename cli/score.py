@@ -16,9 +16,9 @@ from ..engine.policy import load_policies
 from ..engine.runner import Engine, EngineSettings
 from ..engine.sinks import is_errors_file, meta_path, read_metadata
 from ..engine.sources import ReadSpec
-from .common import (EXIT_OK, EXIT_ROW_ERRORS, check_lengths, check_writable_dir, clip_chars, default_model,
-                     default_policies, engine_options, friendly_errors, input_files, model_option, preload_arrow,
-                     protected_files, refuse_overwrites)
+from .common import (EXIT_OK, EXIT_ROW_ERRORS, chat_template_option, check_lengths, check_writable_dir, clip_chars,
+                     default_model, default_policies, engine_options, friendly_errors, input_files, model_option,
+                     preload_arrow, protected_files, refuse_overwrites, resolve_chat_template)
 
 SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "jsonl"))
 
@@ -33,7 +33,8 @@ SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "j
                    "[default: $POLICYSCAN_POLICIES, else the samples]")
 @click.option("--text-column", default=None, metavar="C", help="column holding the conversation as text")
 @click.option("--messages-column", default=None, metavar="C",
-              help="column holding a list of {role, content}, rendered with the model's chat template")
+              help="column holding a list of {role, content}, rendered with the chat template")
+@chat_template_option
 @click.option("--id-column", default=None, metavar="C", help="id column passed through [default: id, else file:row]")
 @click.option("--keep", multiple=True, metavar="C", help="pass this input column through; repeatable")
 @click.option("--format", "fmt", default=None, type=click.Choice(["parquet", "jsonl"]),
@@ -50,8 +51,8 @@ SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "j
 @engine_options
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @friendly_errors
-def score(inputs, output, model, policies, text_column, messages_column, id_column, keep, fmt, layout, raw,
-          flagged, truncation, errors_path, strict, device, precision, batch_tokens, max_length, cuda_graphs,
+def score(inputs, output, model, policies, text_column, messages_column, chat_template, id_column, keep, fmt, layout,
+          raw, flagged, truncation, errors_path, strict, device, precision, batch_tokens, max_length, cuda_graphs,
           no_progress) -> None:
     """Score INPUT files (Parquet, JSONL, JSONL.gz; files, directories or globs) against every policy.
 
@@ -70,9 +71,10 @@ def score(inputs, output, model, policies, text_column, messages_column, id_colu
     model_dir = Path(model or default_model())
     jobs = _jobs(files, output, per_input, fmt, errors_path)
     _check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
+    template = resolve_chat_template(model_dir, chat_template, pols, files, spec)
     preload_arrow()
     engine = Engine(model_dir, pols, EngineSettings(device, precision, batch_tokens, max_length,
-                                                    cuda_graphs=cuda_graphs))
+                                                    cuda_graphs=cuda_graphs, chat_template=template))
     click.echo(f"policyscan: {len(engine.policies)} policies ({', '.join(p.name for p in engine.policies)}) on "
                f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, {engine.device}]",
                err=True)

@@ -44,7 +44,11 @@ def verify(output: str, sample: int, device: str | None) -> None:
     s = meta["settings"]
     engine = Engine(meta["model"]["path"], policies,
                     EngineSettings(device or str(meta["device"]).split(":")[0], meta["precision"],
-                                   s["batch_tokens"], s["max_length"], cuda_graphs=s.get("cuda_graphs", True)))
+                                   s["batch_tokens"], s["max_length"], cuda_graphs=s.get("cuda_graphs", True),
+                                   chat_template=s.get("chat_template")))
+    if engine.encoder.describe_template() != meta.get("chat_template"):
+        raise PolicyscanError(f"the chat template changed since the run: {meta.get('chat_template')} then, "
+                              f"{engine.encoder.describe_template()} now")
     stored = _stored(out, meta, [p.name for p in policies])
     ids = sorted(stored, key=lambda i: hashlib.sha256(str(i).encode()).digest())[:sample]
     texts = _find(meta, inputs, set(ids), engine)
@@ -85,7 +89,10 @@ def _check_model(meta: dict) -> None:
 def _recorded_policy(rec: dict):
     """The policy as the run had it: adapter bytes checked, calibration taken from the metadata."""
     path = Path(rec["path"]) / "adapter_model.safetensors"
-    if not path.is_file() or file_sha256(path) != rec["adapter_sha256"]:
+    if rec["adapter_sha256"] is None:  # prompt-only then: it must still have no adapter
+        if path.exists():
+            raise PolicyscanError(f"policy {rec['name']!r}: {path} appeared since the run (it was prompt-only)")
+    elif not path.is_file() or file_sha256(path) != rec["adapter_sha256"]:
         raise PolicyscanError(f"policy {rec['name']!r}: {path} is missing or changed since the run")
     pol = load_policy(rec["path"])
     if [pol.compliant, pol.violation, pol.prefix, pol.suffix] != [*rec["labels"], rec["prefix"], rec["suffix"]]:

@@ -90,7 +90,8 @@ class Checkpoint:
 
     def file_hashes(self) -> dict[str, str]:
         """sha256 of each file that decides a score, by its name in the model directory."""
-        paths = set(self.files.values()) | {p for p in self.model_dir.glob("*.jinja") if p.is_file()}
+        jinja = [*self.model_dir.glob("*.jinja"), *self.model_dir.glob("additional_chat_templates/*.jinja")]
+        paths = set(self.files.values()) | {p for p in jinja if p.is_file()}
         paths |= {self.model_dir / n for n in SCORED_FILES if (self.model_dir / n).is_file()}
         return {str(p.relative_to(self.model_dir)): cached_sha256(p) for p in sorted(paths)}
 

@@ -76,7 +76,7 @@ def run_key(engine: Engine, spec: ReadSpec, out: OutputSpec, input_sha: str) -> 
     # threads change no bit of f (tests/test_cpu_threads.py): an archive scored with another --threads is done
     settings = {k: v for k, v in d["settings"].items() if k != "threads"}
     parts = {"input": input_sha, "model": d["model"]["sha256"], "policies": d["policies"],
-             "settings": settings, "precision": d["precision"], "read": asdict(spec), "out": asdict(out),
+             "settings": settings, "chat_template": d["chat_template"], "precision": d["precision"], "read": asdict(spec), "out": asdict(out),
              "version": d["policyscan_version"]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 

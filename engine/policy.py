@@ -1,4 +1,5 @@
-"""Policy bundles: a PEFT LoRA adapter plus policy.json (labels, template, calibration, threshold)."""
+"""Policy bundles: policy.json (labels, template, calibration, threshold) and a PEFT LoRA adapter, or no adapter
+at all: a prompt-only policy scores the base model itself (zero-shot, or a fully fine-tuned guard model)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from .checkpoint import file_sha256
 from .config import PROJECTIONS, ModelConfig
 from .errors import PolicyError
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
@@ -36,8 +38,8 @@ class Policy:
     path: Path
     compliant: str
     violation: str
-    lora: LoraWeights
-    adapter_sha256: str
+    lora: LoraWeights  # no factors: a prompt-only policy
+    adapter_sha256: str | None  # None: a prompt-only policy
     prefix: str = ""
     suffix: str = ""
     a: float = 1.0
@@ -45,8 +47,12 @@ class Policy:
     threshold: float = 0.5
     description: str = ""
     calibration: dict = field(default_factory=dict)
+    chat_template: str | None = None  # plain, a file relative to the bundle, or a name of the model's templates
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
+            raise PolicyError(f"{self.path}/policy.json: chat_template must be a non-empty string (plain, a Jinja "
+                              f"file in the bundle, or a name of the model's templates), got {self.chat_template!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise PolicyError(f"{self.path}/policy.json: name {self.name!r} must be letters, digits, '_', '.', '-' "
                               "(it becomes the column p_<name>)")
@@ -66,8 +72,8 @@ def load_policy(path: str | Path) -> Policy:
     path = Path(path)
     pj = path / "policy.json"
     if not pj.is_file():
-        raise PolicyError(f"{path}: not a policy bundle (no policy.json); a bundle holds policy.json, "
-                          "adapter_config.json and adapter_model.safetensors")
+        raise PolicyError(f"{path}: not a policy bundle (no policy.json); a bundle holds policy.json, and "
+                          "adapter_config.json and adapter_model.safetensors unless it is prompt-only")
     try:
         meta = json.loads(pj.read_text())
     except json.JSONDecodeError as e:
@@ -81,16 +87,19 @@ def load_policy(path: str | Path) -> Policy:
         name=meta["name"], path=path, compliant=labels["compliant"], violation=labels["violation"],
         lora=lora, adapter_sha256=sha, prefix=template.get("prefix", ""), suffix=template.get("suffix", ""),
         a=float(calib.get("a", 1.0)), b=float(calib.get("b", 0.0)), threshold=float(meta.get("threshold", 0.5)),
-        description=meta.get("description", ""), calibration=calib,
+        description=meta.get("description", ""), calibration=calib, chat_template=meta.get("chat_template"),
     )
 
 
-def _load_adapter(path: Path) -> tuple[LoraWeights, str]:
-    cfg_path, w_path = path / "adapter_config.json", path / "adapter_model.safetensors"
+def _load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
+    """The adapter's factors and the sha256 of its weights; none of its files: a prompt-only policy."""
+    cfg_path, w_path, bin_path = (path / n for n in ADAPTER_FILES)
+    if not any(p.exists() for p in (cfg_path, w_path, bin_path)):
+        return LoraWeights({}, {}), None
     if not cfg_path.is_file() or not w_path.is_file():
-        bin_hint = (" (adapter_model.bin is a pickle file and is never loaded)"
-                    if (path / "adapter_model.bin").exists() else "")
-        raise PolicyError(f"{path}: needs adapter_config.json and adapter_model.safetensors{bin_hint}")
+        bin_hint = " (adapter_model.bin is a pickle file and is never loaded)" if bin_path.exists() else ""
+        raise PolicyError(f"{path}: needs adapter_config.json and adapter_model.safetensors{bin_hint}, or none "
+                          "of the adapter's files for a prompt-only policy")
     cfg = json.loads(cfg_path.read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
         raise PolicyError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters are supported")

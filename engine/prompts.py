@@ -7,19 +7,16 @@ on probe texts, and any tokenizer it refuses falls back to `tokenizers`.
 from __future__ import annotations
 
 import json
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from .errors import CheckpointError, PolicyError
+from .chat_template import ChatTemplate, choose_template, config_templates, token_str
+from .errors import CheckpointError, InputError, PolicyError
 from .policy import Policy
 
-RENDER_SECONDS = 2.0  # one conversation's chat template rendering, far above any real template's need
+NO_TEMPLATE = "the model ships no chat template and no --chat-template or policy chat_template names one"
 PROBES = ["Hello, world!", "  leading spaces\tand\ttabs\n\nnew lines  ", "Ünïcödé — 中文 ✓ 😀 émoji",
           "user: my SSN is 123-45-6789.\nassistant: I can't store that.", "numbers 3.14159 and 1,000,000",
           "<|begin_of_text|>not special here?", "'s 're 've 'll don't CAPS MiXeD", ""]
@@ -28,8 +25,11 @@ PROBES = ["Hello, world!", "  leading spaces\tand\ttabs\n\nnew lines  ", "Ünïc
 class TextEncoder:
     """Encodes texts without special tokens; knows the BOS the tokenizer adds and the chat template."""
 
-    def __init__(self, model_dir: str | Path, fast: bool = True):
-        model_dir = Path(model_dir)
+    def __init__(self, model_dir: str | Path, fast: bool = True, chat_template: str | None = None,
+                 policies: list[Policy] = ()):
+        """chat_template: --chat-template (plain, a file, a name of the model's templates); None: the one the
+        policies name, else the model's default (chat_template.choose_template)."""
+        self.model_dir = model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no tokenizer.json; policyscan needs the fast-tokenizer file")
@@ -40,7 +40,7 @@ class TextEncoder:
         self.bos: int | None = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
         cfg_path = model_dir / "tokenizer_config.json"
         self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template = ChatTemplate.from_config(self.tokenizer_config, str(cfg_path))
+        self.chat_template = choose_template(model_dir, self.tokenizer_config, chat_template, policies)
         self.backend = "gigatoken" if self.fast is not None else "tokenizers"
         self.fast_texts = 0  # texts gigatoken encoded (and was trusted with) so far
 
@@ -67,16 +67,33 @@ class TextEncoder:
         return self.encode_batch([text])[0]
 
     def render(self, messages: list[dict]) -> str:
-        """A messages list as text, through the model's chat template."""
+        """A messages list as text, through the run's chat template."""
+        if self.chat_template is None:  # the CLI refuses this before scoring; a row error for other callers
+            raise InputError(f"{NO_TEMPLATE}; pass --chat-template plain for 'role: content' lines")
         return self.chat_template.render(messages)
 
-    def single_token(self, label: str, policy: Policy) -> int:
-        ids = self.tok.encode(label, add_special_tokens=False).ids
-        if len(ids) != 1:
-            pieces = [self.tok.id_to_token(i) for i in ids]
-            raise PolicyError(f"policy {policy.name!r} ({policy.path}): label {label!r} is {len(ids)} tokens "
-                              f"{pieces} for this model's tokenizer; each label must be exactly one token")
-        return ids[0]
+    def describe_template(self) -> dict | None:
+        """What the output's metadata records: the template's source and sha256 (None: no template)."""
+        return None if self.chat_template is None else self.chat_template.describe()
+
+    def verdict_ids(self, policy: Policy) -> tuple[int, int]:
+        """(compliant, violation) token ids the verdict reads: each label's first token, as a guard model's card
+        reads P(unsafe) from the first generated token; refused when the two labels start with the same token."""
+        c, v = (self.tok.encode(label, add_special_tokens=False).ids for label in (policy.compliant, policy.violation))
+        where = f"policy {policy.name!r} ({policy.path})"
+        for label, ids in ((policy.compliant, c), (policy.violation, v)):
+            if not ids:
+                raise PolicyError(f"{where}: label {label!r} encodes to no tokens with this model's tokenizer")
+        if c[0] == v[0]:
+            pieces = [[self.tok.id_to_token(i) for i in ids] for ids in (c, v)]
+            raise PolicyError(f"{where}: labels {policy.compliant!r} {pieces[0]} and {policy.violation!r} "
+                              f"{pieces[1]} start with the same token, so the first token cannot tell them apart; "
+                              "choose labels whose first tokens differ (e.g. ' safe' and ' unsafe')")
+        return c[0], v[0]
+
+    def label_tokens(self, label: str) -> list[str]:
+        """The tokens a label encodes to (what `inspect` shows)."""
+        return [self.tok.id_to_token(i) for i in self.tok.encode(label, add_special_tokens=False).ids]
 
 
 def _gigatoken(path: Path, tok: Tokenizer):
@@ -133,81 +150,5 @@ class PromptBuilder:
 
 def render_messages(messages: list[dict], template: str | None, tokenizer_config: dict) -> str:
     """A messages list -> text through a chat template (`template`, else the tokenizer config's)."""
-    config = tokenizer_config if template is None else {**tokenizer_config, "chat_template": template}
-    return ChatTemplate.from_config(config).render(messages)
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    """A model's chat template, compiled once in a sandboxed Jinja environment (a syntax error is the
-    model's, reported when it loads), rendering each conversation within `seconds`.
-
-    BOS is rendered empty: it is added as a token id, never through the text."""
-
-    template: object | None  # a compiled jinja2 Template; None: no template, "role: content" lines
-    eos_token: str
-    seconds: float = RENDER_SECONDS
-
-    @classmethod
-    def from_config(cls, tokenizer_config: dict, where: str = "tokenizer_config.json") -> "ChatTemplate":
-        source = tokenizer_config.get("chat_template")
-        if isinstance(source, list):  # some tokenizer_config.json files hold named templates
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        return cls(_compile(source, where) if source else None, _token_str(tokenizer_config.get("eos_token")))
-
-    def render(self, messages: list[dict]) -> str:
-        if self.template is None:
-            return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-        with _time_limit(self.seconds):
-            return self.template.render(messages=messages, bos_token="", add_generation_prompt=False,
-                                        eos_token=self.eos_token)
-
-
-_TEMPLATES: dict[str, object] = {}
-
-
-def _compile(template: str, where: str):
-    if template not in _TEMPLATES:
-        from jinja2 import TemplateSyntaxError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        try:
-            _TEMPLATES[template] = env.from_string(template)
-        except TemplateSyntaxError as e:
-            raise CheckpointError(f"{where}: the chat template does not compile (line {e.lineno} of the "
-                                  f"template: {e.message}); fix chat_template, or remove it to render messages "
-                                  "as 'role: content' lines") from e
-    return _TEMPLATES[template]
-
-
-class RenderTimeout(Exception):
-    """A chat template that ran past its time on one conversation."""
-
-
-@contextmanager
-def _time_limit(seconds: float) -> Iterator[None]:
-    """Stop template code that runs past `seconds`: a trace function on the template's own frames (Jinja
-    compiles it to Python named <template>) checks the clock on each line; other code runs untraced."""
-    end = time.monotonic() + seconds
-
-    def on_line(frame, event, arg):
-        if event == "line" and time.monotonic() > end:
-            raise RenderTimeout(f"rendering took over {seconds:g} s; does the chat template loop without end?")
-        return on_line
-
-    previous = sys.gettrace()
-    sys.settrace(lambda frame, event, arg: on_line if frame.f_code.co_filename == "<template>" else None)
-    try:
-        yield
-    finally:
-        sys.settrace(previous)
-
-
-def _raise(message: str):
-    raise ValueError(f"chat template: {message}")
-
-
-def _token_str(tok) -> str:
-    return tok.get("content", "") if isinstance(tok, dict) else (tok or "")
+    source = template if template is not None else config_templates(tokenizer_config, "")["default"][0]
+    return ChatTemplate(source, "render_messages", token_str(tokenizer_config.get("eos_token"))).render(messages)

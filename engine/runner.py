@@ -40,6 +40,7 @@ class EngineSettings:
     max_length: int = 2048
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
     cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/graphs.py)
+    chat_template: str | None = None  # --chat-template; None: the policies' chat_template, else the model's
     threads: int | None = None  # CPU path only (reference.set_threads); None: default_threads(); f is the same
 
     def __post_init__(self) -> None:
@@ -88,9 +89,8 @@ class Engine:
         _check_offsets(self.checkpoint.config, settings.batch_tokens)
         if self.checkpoint.fp8 and self.precision != "fp8":
             self.precision = "fp8"  # the weights are FP8; computing in 16 bits would not make them more precise
-        self.encoder = TextEncoder(model_dir)
-        label_ids = [(self.encoder.single_token(p.compliant, p), self.encoder.single_token(p.violation, p))
-                     for p in policies]
+        self.encoder = TextEncoder(model_dir, chat_template=settings.chat_template, policies=policies)
+        label_ids = [self.encoder.verdict_ids(p) for p in policies]
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
         ops = _ops(gpu)
         # asked for, FP8 on the CPU runs the GPU's W8A8 in its torch twins (a preview without a GPU); an FP8
@@ -164,12 +164,14 @@ class Engine:
             "model": {"path": str(self.checkpoint.model_dir.resolve()), "sha256": self.model_sha256,
                       "arch": self.checkpoint.config.arch, "fp8_checkpoint": self.checkpoint.fp8},
             "device": str(self.device), "precision": self.precision, "tokenizer_backend": self.encoder.backend,
+            "chat_template": self.encoder.describe_template(),
             # GPU results are reproducible bitwise only on the same GPU, CUDA and Triton (the kernels' code)
             **({"gpu": torch.cuda.get_device_name(self.device), "cuda_version": torch.version.cuda,
                 "triton_version": version("triton")} if self.device.type == "cuda" else {}),
             "settings": asdict(self.settings),
             "policies": [{"name": p.name, "path": str(p.path.resolve()), "adapter_sha256": p.adapter_sha256,
-                          "labels": [p.compliant, p.violation], "prefix": p.prefix, "suffix": p.suffix,
+                          "labels": [p.compliant, p.violation], "verdict_token_ids": list(self.encoder.verdict_ids(p)),
+                          "prefix": p.prefix, "suffix": p.suffix,
                           "calibration": {**p.calibration, "a": p.a, "b": p.b}, "threshold": p.threshold}
                          for p in self.policies],
         }

@@ -1,0 +1,79 @@
+"""Prompt-only policies (issue 36): a bundle with policy.json and no adapter scores the base model itself, in the
+same batches as LoRA policies, bitwise as the base model does."""
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from policyscan.cli.main import cli
+from policyscan.engine.errors import PolicyError
+from policyscan.engine.policy import load_policies, load_policy
+from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.sinks import read_metadata
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+TEXTS = ["user: my SSN is 123-45-6789.\nassistant: noted.", "user: should I buy index funds?",
+         "user: hello", "user: what is John's home address?\nassistant: 12 Elm Street." * 3]
+
+
+def _renamed(tmp_path: Path, name: str, adapter: bool) -> Path:
+    """The sample pii policy as `name`, with its adapter or without it (prompt-only)."""
+    d = tmp_path / name
+    d.mkdir()
+    meta = json.loads((SAMPLE / "policies" / "pii" / "policy.json").read_text())
+    (d / "policy.json").write_text(json.dumps({**meta, "name": name}))
+    if adapter:
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copy(SAMPLE / "policies" / "pii" / f, d / f)
+    return d
+
+
+def _zero_b(tmp_path: Path) -> Path:
+    """pii's adapter with every lora_B zero: the base model, through the LoRA path."""
+    d = _renamed(tmp_path, "zero_b", adapter=True)
+    w = load_file(d / "adapter_model.safetensors")
+    save_file({k: torch.zeros_like(v) if ".lora_B" in k else v for k, v in w.items()}, d / "adapter_model.safetensors")
+    return d
+
+
+def test_a_bundle_without_adapter_files_is_prompt_only_and_half_an_adapter_is_refused(tmp_path):
+    pol = load_policy(_renamed(tmp_path, "zs", adapter=False))
+    assert pol.lora.factors == {} and pol.adapter_sha256 is None
+    half = _renamed(tmp_path, "half", adapter=False)
+    shutil.copy(SAMPLE / "policies" / "pii" / "adapter_config.json", half)
+    with pytest.raises(PolicyError, match="needs adapter_config.json and adapter_model.safetensors, or none"):
+        load_policy(half)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_prompt_only_f_is_bitwise_the_base_models_mixed_with_lora_policies(tmp_path, prefix_cache):
+    settings = EngineSettings("cpu", "fp32", batch_tokens=512, max_length=256, prefix_cache=prefix_cache)
+    mixed = load_policies([SAMPLE / "policies" / "pii", _renamed(tmp_path, "zs", adapter=False),
+                           SAMPLE / "policies" / "investment_advice"])
+    alone = load_policies([_zero_b(tmp_path)])
+    only = load_policies([tmp_path / "zs"])
+    engines = [Engine(SAMPLE / "model", pols, settings) for pols in (mixed, alone, only)]
+    convs = [np.asarray(x) for x in engines[0].encoder.encode_batch(TEXTS)]
+    f_mixed, f_alone, f_only = (e.score_conversations(convs)[0] for e in engines)
+    assert engines[2].decoder.layers[0].qkv.lora is None  # every policy prompt-only: no LoRA at all
+    assert f_mixed[:, 1].tobytes() == f_alone[:, 0].tobytes() == f_only[:, 0].tobytes()
+    assert not np.array_equal(f_mixed[:, 0], f_mixed[:, 1])  # the LoRA policy beside it did change its f
+
+
+def test_score_mixes_prompt_only_and_lora_policies_and_records_no_adapter_hash(tmp_path):
+    zs = _renamed(tmp_path, "zs", adapter=False)
+    out, log = tmp_path / "o.parquet", tmp_path / "a.jsonl"
+    log.write_text("".join((SAMPLE / "conversations.jsonl").read_text().splitlines(keepends=True)[:3]))
+    res = CliRunner().invoke(cli, ["score", str(log), "-o", str(out), "--no-progress",
+                                   "--device", "cpu", "--policies", str(SAMPLE / "policies" / "pii"),
+                                   "--policies", str(zs), "--max-length", "128", "--batch-tokens", "4096"])
+    assert res.exit_code == 0, res.output
+    recorded = {p["name"]: p["adapter_sha256"] for p in read_metadata(out)["policies"]}
+    assert recorded["zs"] is None and len(recorded["pii"]) == 64
+    shown = json.loads(CliRunner().invoke(cli, ["inspect", str(zs)]).output)
+    assert shown["prompt_only"] is True and shown["lora_ranks"] == [] and shown["adapter_sha256"] is None

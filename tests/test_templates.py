@@ -1,0 +1,119 @@
+"""Chat templates (issue 36): where a model's templates are read, --chat-template, a policy's chat_template, and no
+silent fallback: a messages column with no template is a usage error that names --chat-template plain."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from policyscan.cli.main import cli
+from policyscan.engine.chat_template import TemplateChoiceError, choose_template, model_templates
+from policyscan.engine.policy import load_policy
+from policyscan.engine.prompts import TextEncoder
+from policyscan.engine.sinks import read_metadata
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+
+
+def _model(tmp_path: Path, config_template=None) -> Path:
+    """The sample model with `config_template` as tokenizer_config's chat_template (None: none there)."""
+    model = shutil.copytree(SAMPLE / "model", tmp_path / "model")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template")
+    if config_template is not None:
+        cfg["chat_template"] = config_template
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return model
+
+
+def _bundle(tmp_path: Path, name: str, **extra) -> Path:
+    d = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / name)
+    meta = json.loads((d / "policy.json").read_text())
+    (d / "policy.json").write_text(json.dumps({**meta, "name": name, **extra}))
+    return d
+
+
+def test_the_jinja_file_transformers_writes_wins_and_named_templates_are_found(tmp_path):
+    model = _model(tmp_path, [{"name": "default", "template": "CFG{{ messages[0].content }}"},
+                              {"name": "tool_use", "template": "TOOL{{ messages[0].content }}"}])
+    (model / "chat_template.jinja").write_text("JINJA{{ messages[0].content }}")
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "guard.jinja").write_text("GUARD{{ messages[0].content }}")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    assert sorted(model_templates(model, cfg)) == ["default", "guard", "tool_use"]
+    enc = TextEncoder(model, fast=False)
+    assert enc.render(MESSAGES) == "JINJAhi" and enc.describe_template()["source"].endswith("chat_template.jinja")
+    assert TextEncoder(model, fast=False, chat_template="tool_use").render(MESSAGES) == "TOOLhi"
+    assert TextEncoder(model, fast=False, chat_template="guard").render(MESSAGES) == "GUARDhi"
+
+
+def test_chat_template_option_takes_plain_a_file_or_a_name_and_refuses_anything_else(tmp_path, monkeypatch):
+    model = _model(tmp_path, "M{{ messages[0].content }}")
+    (tmp_path / "mine.jinja").write_text("F{% for m in messages %}{{ m.role }}{% endfor %}")
+    monkeypatch.chdir(tmp_path)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    plain = choose_template(model, cfg, "plain")
+    assert plain.render(MESSAGES) == "user: hi\nassistant: yo" and plain.describe() == {"source": "plain",
+                                                                                           "sha256": None}
+    mine = choose_template(model, cfg, "mine.jinja")
+    assert mine.render(MESSAGES) == "Fuserassistant" and mine.origin == str(tmp_path / "mine.jinja")
+    assert choose_template(model, cfg, "default").render(MESSAGES) == "Mhi"
+    with pytest.raises(TemplateChoiceError, match=r"--chat-template 'nope': no such file .* \(it has: default\)"):
+        choose_template(model, cfg, "nope")
+
+
+def test_a_policy_names_its_template_relative_to_its_bundle_and_policies_must_agree(tmp_path):
+    model = _model(tmp_path, "M{{ messages[0].content }}")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    guard = _bundle(tmp_path, "guard", chat_template="conv.jinja")
+    (guard / "conv.jinja").write_text("{% for m in messages %}{{ m.role | title }}: {{ m.content }}\n{% endfor %}")
+    twin = _bundle(tmp_path, "twin", chat_template="conv.jinja")
+    shutil.copy(guard / "conv.jinja", twin / "conv.jinja")
+    chosen = choose_template(model, cfg, None, [load_policy(guard), load_policy(twin)])
+    assert chosen.render(MESSAGES) == "User: hi\nAssistant: yo\n"  # the same text in two bundles: one template
+    plain = _bundle(tmp_path, "plainly", chat_template="plain")
+    with pytest.raises(TemplateChoiceError, match=r"different chat templates \(guard: .*conv.jinja; plainly: plain"):
+        choose_template(model, cfg, None, [load_policy(guard), load_policy(plain)])
+    keyless = load_policy(SAMPLE / "policies" / "pii")  # wants the model's default, which is not plain
+    with pytest.raises(TemplateChoiceError, match="pii: .*tokenizer_config.json"):
+        choose_template(model, cfg, None, [load_policy(plain), keyless])
+    assert choose_template(model, cfg, "plain", [load_policy(guard), keyless]).origin == "plain"  # the option wins
+
+
+def _score(*args) -> object:
+    return CliRunner().invoke(cli, ["score", *map(str, args), "--no-progress", "--device", "cpu"])
+
+
+def _messages_log(path: Path, n: int = 3) -> Path:
+    path.write_text("".join(json.dumps({"id": i, "messages": MESSAGES}) + "\n" for i in range(n)))
+    return path
+
+
+def test_messages_without_a_template_are_a_usage_error_naming_chat_template_plain(tmp_path):
+    model = _model(tmp_path)
+    log = _messages_log(tmp_path / "a.jsonl")
+    out = tmp_path / "o.parquet"
+    res = _score(log, "--model", model, "-o", out)  # the column is guessed: still refused before scoring
+    assert res.exit_code == 2 and "--chat-template plain" in res.output and "a.jsonl" in res.output, res.output
+    assert not out.exists()
+    texts = tmp_path / "t.jsonl"
+    texts.write_text(json.dumps({"id": 1, "text": "hello there"}) + "\n")
+    assert _score(texts, "--model", model, "-o", out).exit_code == 0  # text needs no template
+    res = _score(log, "--model", model, "-o", tmp_path / "p.parquet", "--chat-template", "nope")
+    assert res.exit_code == 2 and "it has: none" in res.output, res.output
+
+
+def test_plain_and_the_jinja_file_are_used_and_recorded_in_the_metadata(tmp_path):
+    model = _model(tmp_path)
+    log = _messages_log(tmp_path / "a.jsonl")
+    res = _score(log, "--model", model, "-o", tmp_path / "plain.parquet", "--chat-template", "plain")
+    assert res.exit_code == 0, res.output
+    meta = read_metadata(tmp_path / "plain.parquet")
+    assert meta["chat_template"] == {"source": "plain", "sha256": None}
+    (model / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert _score(log, "--model", model, "-o", tmp_path / "jinja.parquet").exit_code == 0
+    meta = read_metadata(tmp_path / "jinja.parquet")
+    assert meta["chat_template"]["source"] == str(model / "chat_template.jinja")
+    assert len(meta["chat_template"]["sha256"]) == 64
