@@ -49,7 +49,7 @@ MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not wr
 @friendly_errors
 def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry_run, force, model, text_column,
               messages_column, chat_template, id_column, device, precision, batch_tokens, max_length,
-              cuda_graphs) -> None:
+              cuda_graphs, threads) -> None:
     """Fit p = sigmoid(a*f + b) for one policy (Platt, Newton with line search) and record it in policy.json.
 
     Metrics compare the policy's current a, b ("before") with the new fit ("after"); fewer than 10 fit rows
@@ -69,7 +69,7 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         model_dir = Path(model or default_model())
         template = resolve_chat_template(model_dir, chat_template, [policy], files, spec)
         settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
-                                  chat_template=template)
+                                  chat_template=template, threads=threads)
         engine = Engine(model_dir, [policy], settings)
         ids, f, raw_labels, label_col = _score(engine, files, spec, label_column)
     y, bad = parse_labels(raw_labels, policy.compliant, policy.violation)

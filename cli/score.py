@@ -53,7 +53,7 @@ SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "j
 @friendly_errors
 def score(inputs, output, model, policies, text_column, messages_column, chat_template, id_column, keep, fmt, layout,
           raw, flagged, truncation, errors_path, strict, device, precision, batch_tokens, max_length, cuda_graphs,
-          no_progress) -> None:
+          threads, no_progress) -> None:
     """Score INPUT files (Parquet, JSONL, JSONL.gz; files, directories or globs) against every policy.
 
     Exit status: 0 all rows scored, 3 finished with rows in the errors file, 2 usage error, 1 failure."""
@@ -74,7 +74,8 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     template = resolve_chat_template(model_dir, chat_template, pols, files, spec)
     preload_arrow()
     engine = Engine(model_dir, pols, EngineSettings(device, precision, batch_tokens, max_length,
-                                                    cuda_graphs=cuda_graphs, chat_template=template))
+                                                    cuda_graphs=cuda_graphs, chat_template=template,
+                                                    threads=threads))
     click.echo(f"policyscan: {len(engine.policies)} policies ({', '.join(p.name for p in engine.policies)}) on "
                f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, {engine.device}]",
                err=True)

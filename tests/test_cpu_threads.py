@@ -97,3 +97,29 @@ def test_fp8_on_the_cpu_runs_the_w8a8_twin():
     diff = np.abs(f["fp8"] - f["fp32"])
     assert np.isfinite(f["fp8"]).all() and diff.max() > 0
     assert diff.max() < 0.1 * np.abs(f["fp32"]).max() + 0.05, (diff, f["fp32"])  # e4m3 (2^-4) noise, no more
+
+
+def test_threads_option_gives_the_same_table_and_is_left_out_of_the_run_key(tmp_path):
+    """`--threads 1` and `--threads 2` write the same scores; an archive scored with one is up to date for the
+    other (threads change no bit of f)."""
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from policyscan.cli.main import cli
+
+    sample = Path(__file__).resolve().parent.parent / "sample_data"
+    src = tmp_path / "in" / "logs.parquet"
+    src.parent.mkdir()
+    pq.write_table(pq.read_table(sample / "conversations.parquet").slice(0, 12), src)
+    outs = []
+    for n in (1, 2):
+        res = CliRunner().invoke(cli, ["score", str(src), "-o", str(tmp_path / f"o{n}.parquet"), "--raw",
+                                       "--no-progress", "--threads", str(n)])
+        assert res.exit_code == 0, res.output
+        outs.append(pq.read_table(tmp_path / f"o{n}.parquet"))
+    assert outs[0].equals(outs[1])
+    for n in (1, 2):
+        res = CliRunner().invoke(cli, ["score", str(src), "-o", str(tmp_path / "dir") + "/", "--no-progress",
+                                       "--threads", str(n)])
+        assert res.exit_code == 0, res.output
+    assert "up to date" in res.output
