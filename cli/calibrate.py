@@ -102,7 +102,9 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         click.echo("--dry-run: policy.json left unchanged")
         return
     _write_calibration(Path(policy_dir), fit, {
-        "data_sha256": _data_hash(files), "files": [str(p) for p in files], "rows": int(len(y)),
+        # relative to the bundle: a policy.json moved with its data, or shipped, names no machine's paths
+        "data_sha256": _data_hash(files), "files": [os.path.relpath(p.resolve(), policy.path.resolve()) for p in files],
+        "rows": int(len(y)),
         "fit_rows": int(fit_rows.sum()), "holdout_rows": int(hold.sum()), "holdout_fraction": holdout,
         "label_column": label_col, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "metrics_before": before, "metrics_after": after, "from_scores": from_scores,
