@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import signal
+import time
+
+STARTED = time.perf_counter()  # before torch's import: the summary's time split starts here
 
 import click
 

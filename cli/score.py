@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,8 +217,22 @@ def _summary(engine: Engine, acc: Accounting) -> None:
     lines.append(f"prompt tokens {acc.prompt_tokens:,} in {acc.seconds:.2f} s ({tps:,.0f} tokens/s; waiting for "
                  f"input {acc.input_wait_seconds:.2f} s, writing {acc.output_seconds:.2f} s); "
                  f"truncated prompts {acc.truncated_prompts}")
+    lines.append(_time_split(engine, acc))
     for p in engine.policies:
         n = acc.above_threshold.get(p.name, 0)
         share = n / acc.rows_scored if acc.rows_scored else 0.0
         lines.append(f"  {p.name}: {n} of {acc.rows_scored} above threshold {p.threshold} ({share:.1%})")
     click.echo("\n".join(lines))
+
+
+def _time_split(engine: Engine, acc: Accounting) -> str:
+    """Where the run's wall time went: a nightly job pays start-up and load as well as scoring."""
+    from .main import STARTED
+
+    whole = time.perf_counter() - STARTED
+    startup = engine.load_started - STARTED
+    rest = whole - startup - engine.load_seconds - acc.seconds
+    gpu = " (GPU kernels compile inside the first batches of a fresh machine; Triton caches them on disk)" \
+        if engine.device.type == "cuda" else ""
+    return (f"time {whole:.2f} s = start-up {startup:.2f} s + load {engine.load_seconds:.2f} s + scoring "
+            f"{acc.seconds:.2f} s{gpu} + the rest {rest:.2f} s (reading ahead, hashing, checks)")

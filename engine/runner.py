@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -78,6 +79,7 @@ class Engine:
     def __init__(self, model_dir: str | Path, policies: list[Policy], settings: EngineSettings = EngineSettings()):
         if not policies:
             raise PolicyscanError("no policies given: pass --policies DIR (a bundle or a folder of bundles)")
+        self.load_started = time.perf_counter()
         self.settings, self.policies = settings, policies
         self.device = resolve_device(settings.device)
         gpu = self.device.type == "cuda"
@@ -106,6 +108,7 @@ class Engine:
             with torch.inference_mode():
                 self._prefix = self.decoder.prefill_prefixes([b.head for b in self.builders])
         self._graphs: dict[bool, GraphedForward] = {}
+        self.load_seconds = time.perf_counter() - self.load_started  # weights read, moved, prefixes prefilled
         # The outputs' metadata names the model by a sha256 of its files: for W1's 6.4 GB that took 7.3 s after
         # scoring. Hashed now, behind the scoring; after the load, so as not to compete with its reads.
         self._model_sha = in_background(self.checkpoint.fingerprint, "policyscan-model-sha256")

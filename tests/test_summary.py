@@ -1,0 +1,26 @@
+"""The summary's time split: start-up, load, scoring and the rest, each non-negative, summing to the whole."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+
+
+def test_summary_splits_the_run_time(tmp_path):
+    src = tmp_path / "logs.parquet"
+    pq.write_table(pq.read_table(SAMPLE / "conversations.parquet").slice(0, 5), src)
+    res = subprocess.run([sys.executable, "-c", "from policyscan.cli.main import main; main()", "score", str(src),
+                          "-o", str(tmp_path / "out.parquet"), "--no-progress"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    m = re.search(r"time ([\d.]+) s = start-up ([\d.]+) s \+ load ([\d.]+) s \+ scoring ([\d.]+) s \+ the rest "
+                  r"(-?[\d.]+) s", res.stdout + res.stderr)
+    assert m, res.stdout + res.stderr
+    whole, *parts = map(float, m.groups())
+    assert all(p >= 0 for p in parts) and parts[1] > 0 and parts[2] > 0
+    assert abs(sum(parts) - whole) <= 0.02  # each printed to 0.01 s
