@@ -1,0 +1,172 @@
+"""Worker processes (engine/workers*.py) on the CPU: two workers write bitwise what one worker and the
+single-process path write; a killed worker loses no row; SIGTERM stops every worker and leaves nothing."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.pipeline import OutputSpec, score_inputs
+from policyscan.engine.policy import load_policies
+from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.sources import ReadSpec
+from policyscan.engine.units import plan_units
+from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
+from policyscan.engine.workers_proc import KILL_ENV
+from policyscan.engine.workers_run import score_inputs_workers
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SETTINGS = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)  # 1 thread: workers share 2 cores
+UNIT_ROWS = 4  # slices inside row groups, several units per file
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> list[Path]:
+    """42 rows: Parquet with ids and bad rows (3 groups), JSONL with a malformed line, Parquet without ids."""
+    d = tmp_path_factory.mktemp("in")
+    rows = pq.read_table(SAMPLE / "conversations.parquet").slice(0, 34).to_pylist()
+    rows[3]["messages"], rows[10]["messages"] = None, []
+    pq.write_table(pa.Table.from_pylist(rows[:24]), d / "a.parquet", row_group_size=8)
+    lines = (SAMPLE / "conversations.jsonl").read_text().splitlines()[24:32]
+    lines[2] = "{not json"
+    (d / "b.jsonl").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.Table.from_pylist([{"messages": r["messages"]} for r in rows[24:34]]), d / "c.parquet",
+                   row_group_size=7)
+    return [d / "a.parquet", d / "b.jsonl", d / "c.parquet"]
+
+
+@pytest.fixture(scope="module")
+def policies():
+    return tuple(load_policies([SAMPLE / "policies"]))
+
+
+@pytest.fixture(scope="module")
+def reference(inputs, policies, tmp_path_factory):
+    """The single-process path's output, errors file and accounting."""
+    d = tmp_path_factory.mktemp("ref")
+    acc = score_inputs(Engine(SAMPLE / "model", list(policies), SETTINGS), inputs, d / "o.parquet", d / "e.jsonl",
+                       ReadSpec(), OutputSpec(raw=True))
+    return pq.read_table(d / "o.parquet"), (d / "e.jsonl").read_text().splitlines(), acc
+
+
+def _counts(acc) -> tuple:
+    return (acc.rows_in, acc.rows_scored, acc.rows_in_errors, acc.files_in_errors, acc.prompt_tokens,
+            acc.truncated_prompts, acc.duplicate_ids, acc.above_threshold)
+
+
+def _run(pool, inputs, d: Path):
+    acc = score_inputs_workers(pool, inputs, d / "o.parquet", d / "e.jsonl", ReadSpec(), OutputSpec(raw=True),
+                               unit_rows=UNIT_ROWS)
+    errors = (d / "e.jsonl").read_text().splitlines() if (d / "e.jsonl").exists() else []
+    return pq.read_table(d / "o.parquet"), errors, acc
+
+
+def test_units_cover_every_row_once_in_order(inputs):
+    units = plan_units(inputs, ReadSpec(), UNIT_ROWS)
+    assert [u.index for u in units] == list(range(len(units)))
+    by_file = {p: [r for u in units if u.path == p for r in u.file_rows] for p in (inputs[0], inputs[2])}
+    assert by_file[inputs[0]] == list(range(24)) and by_file[inputs[2]] == list(range(10))
+    assert [u.group for u in units if u.path == inputs[1]] == [None]  # JSONL: the whole file
+
+
+def test_devices_are_all_a_count_or_indices():
+    assert parse_devices("all", 4) == ("0", "1", "2", "3") and parse_devices("2", 4) == ("0", "1")
+    assert parse_devices("0,2", 4) == ("0", "2")
+    for bad in ("5", "0,0", "0,4", "x", ""):
+        with pytest.raises(PolicyscanError, match="--devices"):
+            parse_devices(bad, 4)
+    with pytest.raises(PolicyscanError, match="cuda:1 names one device"):
+        WorkerConfig(SAMPLE / "model", (), EngineSettings("cuda:1"), ("0", "1"))
+
+
+def test_two_workers_write_the_bits_of_one_worker_and_of_the_single_process_path(inputs, policies, reference,
+                                                                                 tmp_path):
+    ref_table, ref_errors, ref_acc = reference
+    assert ref_acc.rows_in_errors == 3 and ref_acc.rows_scored == 39  # the bad rows are there to be compared
+    for n in (1, 2):
+        d = tmp_path / f"w{n}"
+        d.mkdir()
+        with WorkerPool(WorkerConfig(SAMPLE / "model", policies, SETTINGS, ("cpu",) * n)) as pool:
+            table, errors, acc = _run(pool, inputs, d)
+        assert table.equals(ref_table), n
+        assert errors == ref_errors
+        assert _counts(acc) == _counts(ref_acc) and acc.balanced
+        meta = json.loads(pq.ParquetFile(d / "o.parquet").metadata.metadata[b"policyscan"])
+        assert meta["workers"] == ["cpu"] * n and meta["accounting"]["balanced"]
+
+
+def test_a_killed_worker_loses_no_row_and_a_unit_that_kills_twice_is_listed(inputs, policies, reference, tmp_path,
+                                                                            monkeypatch):
+    ref_table, ref_errors, ref_acc = reference
+    units = plan_units(inputs, ReadSpec(), UNIT_ROWS)
+    poison = next(u for u in units if u.path == inputs[2] and u.group == 0 and u.first > 0)
+    # SIGKILL (an OOM kill) of the worker starting unit 1, once; of every worker starting `poison`
+    monkeypatch.setenv(KILL_ENV, f"1,{poison.index}*")
+    with WorkerPool(WorkerConfig(SAMPLE / "model", policies, SETTINGS, ("cpu", "cpu"))) as pool:
+        table, errors, acc = _run(pool, inputs, tmp_path)
+        assert len(pool.deaths) == 3, pool.deaths
+    lost_ids = [f"c.parquet:{r}" for r in poison.file_rows]
+    assert table.equals(ref_table.filter(pc.invert(pc.is_in(ref_table["id"], pa.array(lost_ids)))))
+    died = [json.loads(e) for e in errors if "died on these rows twice" in e]
+    assert [e["row"] for e in died] == list(poison.file_rows) and "SIGKILL" in died[0]["reason"]
+    assert [e for e in errors if "died on these rows twice" not in e] == ref_errors
+    assert acc.balanced and acc.rows_in == ref_acc.rows_in
+    assert acc.rows_in_errors == ref_acc.rows_in_errors + poison.rows  # the run's exit status is 3
+
+
+SCRIPT = """
+import signal, sys
+from pathlib import Path
+from policyscan.engine.pipeline import OutputSpec
+from policyscan.engine.policy import load_policies
+from policyscan.engine.runner import EngineSettings
+from policyscan.engine.sources import ReadSpec
+from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
+from policyscan.engine.workers_run import score_inputs_workers
+
+
+def stop(signum, frame):
+    raise KeyboardInterrupt  # as cli/main.py does
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, stop)
+    sample, out = Path(sys.argv[1]), Path(sys.argv[2])
+    settings = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)
+    config = WorkerConfig(sample / "model", tuple(load_policies([sample / "policies"])), settings, ("cpu", "cpu"))
+    with WorkerPool(config) as pool:
+        print(*pool.pids(), flush=True)
+        try:
+            score_inputs_workers(pool, [sample / "conversations.parquet"] * 4, out / "o.parquet", out / "e.jsonl",
+                                 ReadSpec(), OutputSpec(), unit_rows=10)
+        except KeyboardInterrupt:
+            sys.exit(130)
+"""
+
+
+def test_sigterm_stops_every_worker_and_leaves_no_partial_output(tmp_path):
+    (tmp_path / "run.py").write_text(SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "run.py"), str(SAMPLE), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    deadline = time.time() + 60
+    while not list(out.glob(".o.parquet.tmp-*")) and time.time() < deadline:  # the first rows are written
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130 and len(pids) == 2, log
+    assert os.listdir(out) == [], log
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids), log
