@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -15,13 +14,14 @@ from ..engine.errors import PolicyscanError
 from ..engine.pipeline import Accounting, OutputSpec, run_key, score_inputs, up_to_date
 from ..engine.policy import load_policies
 from ..engine.runner import Engine, EngineSettings
-from ..engine.sinks import is_errors_file, meta_path, read_metadata
 from ..engine.sources import ReadSpec
-from .common import (EXIT_OK, EXIT_ROW_ERRORS, chat_template_option, check_lengths, check_writable_dir, clip_chars,
-                     default_model, default_policies, engine_options, friendly_errors, input_files, model_option,
-                     preload_arrow, protected_files, refuse_overwrites, resolve_chat_template)
+from ..engine.workers import WorkerConfig, WorkerPool, parse_devices
+from ..engine.workers_run import score_inputs_workers
+from .common import (EXIT_OK, EXIT_ROW_ERRORS, chat_template_option, check_lengths, clip_chars, default_model,
+                     default_policies, engine_options, friendly_errors, input_files, model_option, preload_arrow,
+                     protected_files, resolve_chat_template)
+from .targets import Job, check_jobs, output_format, plan_jobs
 
-SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "jsonl"))
 
 @click.command()
 @click.argument("inputs", nargs=-1, required=True)
@@ -50,11 +50,16 @@ SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "j
               help="where rows that cannot be scored are listed [default: <output>.errors.jsonl]")
 @click.option("--strict", is_flag=True, help="stop at the first row that cannot be scored")
 @engine_options
+@click.option("--devices", default="all", show_default=True, metavar="all|N|I,J",
+              help="GPUs to score on, one worker process and model copy each: all, the first N, or indices such "
+                   "as 0,2 (with --device auto or cuda; a single GPU scores in this process)")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1), metavar="N",
+              help="worker processes on the CPU (--device cpu), each with its own model copy and --threads")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @friendly_errors
 def score(inputs, output, model, policies, text_column, messages_column, chat_template, id_column, keep, fmt, layout,
           raw, flagged, truncation, errors_path, strict, device, precision, batch_tokens, max_length, cuda_graphs,
-          threads, no_progress) -> None:
+          threads, devices, workers, no_progress) -> None:
     """Score INPUT files (Parquet, JSONL, JSONL.gz; files, directories or globs) against every policy.
 
     Exit status: 0 all rows scored, 3 finished with rows in the errors file, 2 usage error, 1 failure."""
@@ -65,113 +70,70 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     per_input = output is not None and (output.endswith(("/", "\\")) or Path(output).is_dir())
     if errors_path and per_input:
         raise click.UsageError("--errors names one file; with -o DIR each input's errors go beside its output")
-    fmt = _format(output, fmt, per_input)
+    fmt = output_format(output, fmt, per_input)
     spec = ReadSpec(text_column, messages_column, id_column, tuple(keep), max_chars=clip_chars(max_length))
     out = OutputSpec(fmt, layout, raw, strict, flagged, truncation)
     pols = load_policies(list(policies) or list(default_policies()))
     model_dir = Path(model or default_model())
-    jobs = _jobs(files, output, per_input, fmt, errors_path)
-    _check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
+    jobs = plan_jobs(files, output, per_input, fmt, errors_path)
+    check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
     template = resolve_chat_template(model_dir, chat_template, pols, files, spec)
     preload_arrow()
-    engine = Engine(model_dir, pols, EngineSettings(device, precision, batch_tokens, max_length,
-                                                    cuda_graphs=cuda_graphs, chat_template=template,
-                                                    threads=threads))
-    click.echo(f"policyscan: {len(engine.policies)} policies ({', '.join(p.name for p in engine.policies)}) on "
-               f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, {engine.device}]",
-               err=True)
-    total = Accounting()
+    settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
+                              chat_template=template, threads=threads)
+    slots = _worker_devices(device, devices, workers)
     progress = not no_progress and _is_terminal()
+    if slots is None:
+        engine = Engine(model_dir, pols, settings)
+        click.echo(f"policyscan: {len(engine.policies)} policies ({', '.join(p.name for p in engine.policies)}) on "
+                   f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, "
+                   f"{engine.device}]", err=True)
+        total = _score_jobs(engine, jobs, spec, out, progress, per_input)
+        _summary(engine, total)
+    else:
+        with WorkerPool(WorkerConfig(model_dir, tuple(pols), settings, slots)) as pool:
+            click.echo(f"policyscan: {len(pols)} policies ({', '.join(p.name for p in pols)}) on {model_dir} "
+                       f"[{len(slots)} workers: {', '.join(pool.devices)}]", err=True)
+            total = _score_jobs(pool, jobs, spec, out, progress, per_input)
+            _summary(pool, total)
+    sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
+
+
+def _score_jobs(scorer: Engine | WorkerPool, jobs: list[Job], spec, out, progress, per_input) -> Accounting:
+    """scorer: an Engine, or a WorkerPool of them (run_key takes either: both describe() the run)."""
+    total = Accounting()
     for job in jobs:
         sha = file_sha256(job.files[0]) if per_input else None
         # Only an existing output needs the run key before scoring: the key waits for the model's hash
         # (seconds for a large checkpoint), which a new output takes when it is written.
-        if per_input and job.target.exists() and up_to_date(job.target, run_key(engine, spec, out, sha)):
+        if per_input and job.target.exists() and up_to_date(job.target, run_key(scorer, spec, out, sha)):
             click.echo(f"{job.files[0]}: up to date ({job.target})", err=True)
             continue
-        total.add(_run(engine, job, spec, out, progress, per_input, [sha] if sha else None))
-    _summary(engine, total)
-    sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
+        total.add(_run(scorer, job, spec, out, progress, per_input, [sha] if sha else None))
+    return total
 
 
-@dataclass(frozen=True)
-class Job:
-    """Inputs scored into one output and its errors file."""
+def _worker_devices(device: str, devices: str, workers: int) -> tuple[str, ...] | None:
+    """The worker processes' devices, or None to score in this process (one device, one worker)."""
+    import torch
 
-    files: list[Path]
-    target: Path
-    errors: Path
-
-    def __post_init__(self) -> None:
-        if not self.files:
-            raise ValueError("a job needs at least one input")
-
-
-def _format(output: str | None, fmt: str | None, per_input: bool) -> str:
-    """-o FILE's suffix sets the format; --format may only agree with it."""
-    if output is None or per_input:
-        return fmt or "parquet"
-    by_suffix = next((f for suffix, f in SUFFIX_FORMATS if output.endswith(suffix)), None)
-    if by_suffix is None:
-        raise click.UsageError(f"-o {output}: end the name in {', '.join(s for s, _ in SUFFIX_FORMATS)} "
-                               "(the suffix sets the format), or end it in / for a folder of outputs")
-    if fmt and fmt != by_suffix:
-        raise click.UsageError(f"--format {fmt} disagrees with -o {output}, a {by_suffix} name; drop --format "
-                               "or rename the output")
-    return by_suffix
-
-
-def _jobs(files: list[Path], output: str | None, per_input: bool, fmt: str, errors_path: str | None) -> list[Job]:
-    if not per_input:
-        target = Path(output) if output else Path(f"{_stem(files[0]) if len(files) == 1 else 'scores'}.scores.{fmt}")
-        return [Job(files, target, _errors_for(target, errors_path))]
-    out_dir = Path(output)
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return ("cpu",) * workers if workers > 1 else None
+    if workers > 1:
+        raise click.UsageError("--workers is for the CPU (--device cpu); on GPUs each of --devices gets one worker")
+    if device.startswith("cuda:"):
+        if devices != "all":
+            raise click.UsageError(f"--device {device} names one GPU; drop it to score on --devices {devices}")
+        return None
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise click.UsageError(f"-o {output}: cannot create the folder ({e.strerror})") from e
-    targets = [out_dir / f"{_stem(f)}.scores.{fmt}" for f in files]
-    jobs = [Job([f], t, _errors_for(t, None)) for f, t in zip(files, targets)]
-    names = [j.target for j in jobs]
-    dup = {t for t in names if names.count(t) > 1}
-    if dup:
-        raise PolicyscanError(f"inputs with the same name would share an output: {sorted(map(str, dup))}")
-    return jobs
-
-
-def _check_jobs(jobs: list[Job], protected: dict[Path, str]) -> None:
-    """Before anything is scored: each output can be written and destroys nothing policyscan did not write."""
-    writes: list[tuple[Path, str]] = []
-    for job in jobs:
-        writes += [(job.target, "output"), (job.errors, "errors file")]
-        if job.target.name.endswith((".jsonl", ".jsonl.gz")):
-            writes.append((meta_path(job.target), "metadata file"))
-    refuse_overwrites(writes, protected)
-    for job in jobs:
-        check_writable_dir(job.target.parent, f"output {job.target}")
-        check_writable_dir(job.errors.parent, f"errors file {job.errors}")
-        if job.target.is_file() and read_metadata(job.target) is None:
-            raise click.UsageError(f"output {job.target} exists and is not a policyscan output; "
-                                   "remove it or choose another -o")
-        if job.errors.exists() and not is_errors_file(job.errors):
-            raise click.UsageError(f"errors file {job.errors} exists and is not a policyscan errors file; "
-                                   "remove it or choose another --errors")
+        slots = parse_devices(devices, torch.cuda.device_count())
+    except PolicyscanError as e:
+        raise click.UsageError(str(e)) from e
+    return slots if len(slots) > 1 else None
 
 
 def _is_terminal() -> bool:
     return sys.stderr.isatty()
-
-
-def _stem(path: Path) -> str:
-    name = path.name
-    for suffix in (".jsonl.gz", ".parquet", ".jsonl", ".ndjson", ".json"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return path.stem
-
-
-def _errors_for(target: Path, given: str | None) -> Path:
-    return Path(given) if given else target.with_name(target.name + ".errors.jsonl")
 
 
 def _run(engine, job: Job, spec, out, progress, keyed, shas=None) -> Accounting:
@@ -186,8 +148,9 @@ def _run(engine, job: Job, spec, out, progress, keyed, shas=None) -> Accounting:
         bar.set_postfix_str(f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s")
 
     try:
-        acc = score_inputs(engine, job.files, job.target, job.errors, spec, out, tick if bar is not None else None,
-                           keyed, shas)
+        scorer = score_inputs_workers if isinstance(engine, WorkerPool) else score_inputs
+        acc = scorer(engine, job.files, job.target, job.errors, spec, out, tick if bar is not None else None,
+                     keyed, shas)
     finally:
         if bar is not None:  # a tqdm without a total refuses bool()
             bar.close()
@@ -206,7 +169,7 @@ def _parquet_rows(files: list[Path]) -> int | None:
         return None
 
 
-def _summary(engine: Engine, acc: Accounting) -> None:
+def _summary(engine: Engine | WorkerPool, acc: Accounting) -> None:
     tps = acc.prompt_tokens / acc.seconds if acc.seconds else 0.0
     check = "balanced" if acc.balanced else "NOT BALANCED"
     lines = [f"rows in {acc.rows_in} = scored {acc.rows_scored} + in errors {acc.rows_in_errors} ({check})"]
@@ -217,7 +180,11 @@ def _summary(engine: Engine, acc: Accounting) -> None:
     lines.append(f"prompt tokens {acc.prompt_tokens:,} in {acc.seconds:.2f} s ({tps:,.0f} tokens/s; waiting for "
                  f"input {acc.input_wait_seconds:.2f} s, writing {acc.output_seconds:.2f} s); "
                  f"truncated prompts {acc.truncated_prompts}")
-    lines.append(_time_split(engine, acc))
+    if isinstance(engine, Engine):
+        lines.append(_time_split(engine, acc))
+    elif engine.deaths:
+        lines.append(f"worker processes that died ({len(engine.deaths)}; their units went to the others): "
+                     + "; ".join(engine.deaths))
     for p in engine.policies:
         n = acc.above_threshold.get(p.name, 0)
         share = n / acc.rows_scored if acc.rows_scored else 0.0

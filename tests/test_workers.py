@@ -170,3 +170,24 @@ def test_sigterm_stops_every_worker_and_leaves_no_partial_output(tmp_path):
     assert proc.returncode == 130 and len(pids) == 2, log
     assert os.listdir(out) == [], log
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids), log
+
+
+def test_cli_workers_write_the_single_process_table_and_refuse_workers_on_gpus(tmp_path):
+    """`score --workers 2` on the CPU writes the table the in-process run writes; --workers is for the CPU."""
+    from click.testing import CliRunner
+
+    from policyscan.cli.main import cli
+
+    sample = Path(__file__).resolve().parent.parent / "sample_data"
+    src = tmp_path / "logs.parquet"
+    pq.write_table(pq.read_table(sample / "conversations.parquet").slice(0, 30), src, row_group_size=7)
+    tables = []
+    for name, extra in (("one", []), ("two", ["--workers", "2"])):
+        res = CliRunner().invoke(cli, ["score", str(src), "-o", str(tmp_path / f"{name}.parquet"), "--raw",
+                                       "--no-progress", "--device", "cpu", *extra])
+        assert res.exit_code == 0, res.output
+        tables.append(pq.read_table(tmp_path / f"{name}.parquet"))
+    assert tables[0].equals(tables[1])
+    res = CliRunner().invoke(cli, ["score", str(src), "-o", str(tmp_path / "g.parquet"), "--device", "cuda",
+                                   "--workers", "2", "--no-progress"])
+    assert res.exit_code == 2 and "--workers is for the CPU" in res.output

@@ -1,0 +1,90 @@
+"""Where `score` writes: one job (inputs -> output + errors file) per target, its format from the suffix, and the
+checks that run before anything is scored (nothing policyscan did not write is overwritten)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from ..engine.errors import PolicyscanError
+from ..engine.sinks import is_errors_file, meta_path, read_metadata
+from .common import check_writable_dir, refuse_overwrites
+
+SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "jsonl"))
+
+
+@dataclass(frozen=True)
+class Job:
+    """Inputs scored into one output and its errors file."""
+
+    files: list[Path]
+    target: Path
+    errors: Path
+
+    def __post_init__(self) -> None:
+        if not self.files:
+            raise ValueError("a job needs at least one input")
+
+
+def output_format(output: str | None, fmt: str | None, per_input: bool) -> str:
+    """-o FILE's suffix sets the format; --format may only agree with it."""
+    if output is None or per_input:
+        return fmt or "parquet"
+    by_suffix = next((f for suffix, f in SUFFIX_FORMATS if output.endswith(suffix)), None)
+    if by_suffix is None:
+        raise click.UsageError(f"-o {output}: end the name in {', '.join(s for s, _ in SUFFIX_FORMATS)} "
+                               "(the suffix sets the format), or end it in / for a folder of outputs")
+    if fmt and fmt != by_suffix:
+        raise click.UsageError(f"--format {fmt} disagrees with -o {output}, a {by_suffix} name; drop --format "
+                               "or rename the output")
+    return by_suffix
+
+
+def plan_jobs(files: list[Path], output: str | None, per_input: bool, fmt: str, errors_path: str | None) -> list[Job]:
+    if not per_input:
+        target = Path(output) if output else Path(f"{_stem(files[0]) if len(files) == 1 else 'scores'}.scores.{fmt}")
+        return [Job(files, target, _errors_for(target, errors_path))]
+    out_dir = Path(output)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.UsageError(f"-o {output}: cannot create the folder ({e.strerror})") from e
+    targets = [out_dir / f"{_stem(f)}.scores.{fmt}" for f in files]
+    jobs = [Job([f], t, _errors_for(t, None)) for f, t in zip(files, targets)]
+    names = [j.target for j in jobs]
+    dup = {t for t in names if names.count(t) > 1}
+    if dup:
+        raise PolicyscanError(f"inputs with the same name would share an output: {sorted(map(str, dup))}")
+    return jobs
+
+
+def check_jobs(jobs: list[Job], protected: dict[Path, str]) -> None:
+    """Before anything is scored: each output can be written and destroys nothing policyscan did not write."""
+    writes: list[tuple[Path, str]] = []
+    for job in jobs:
+        writes += [(job.target, "output"), (job.errors, "errors file")]
+        if job.target.name.endswith((".jsonl", ".jsonl.gz")):
+            writes.append((meta_path(job.target), "metadata file"))
+    refuse_overwrites(writes, protected)
+    for job in jobs:
+        check_writable_dir(job.target.parent, f"output {job.target}")
+        check_writable_dir(job.errors.parent, f"errors file {job.errors}")
+        if job.target.is_file() and read_metadata(job.target) is None:
+            raise click.UsageError(f"output {job.target} exists and is not a policyscan output; "
+                                   "remove it or choose another -o")
+        if job.errors.exists() and not is_errors_file(job.errors):
+            raise click.UsageError(f"errors file {job.errors} exists and is not a policyscan errors file; "
+                                   "remove it or choose another --errors")
+
+
+def _stem(path: Path) -> str:
+    name = path.name
+    for suffix in (".jsonl.gz", ".parquet", ".jsonl", ".ndjson", ".json"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return path.stem
+
+
+def _errors_for(target: Path, given: str | None) -> Path:
+    return Path(given) if given else target.with_name(target.name + ".errors.jsonl")
