@@ -14,6 +14,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "GraniteForCausalLM": "granite",
 }
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -52,10 +54,25 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     max_position: int = 131072
+    sliding_layers: tuple[bool, ...] | None = None  # gemma2: which layers slide (None: all, with a window)
+    attn_scale: float | None = None    # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # gemma2: scores = cap * tanh(scores / cap) before the mask
+    final_softcap: float | None = None  # gemma2: each label logit capped the same way
+    embed_scale: float = 1.0      # gemma2 sqrt(hidden), granite embedding_multiplier
+    residual_scale: float = 1.0   # granite: each residual branch times this before the add
+    logits_scale: float = 1.0     # granite: logits divided by this
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES.values():
             raise CheckpointError(f"unknown architecture {self.arch!r}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.layers:
+            raise CheckpointError(f"config.json: layer_types has {len(self.sliding_layers)} entries for "
+                                  f"{self.layers} layers")
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "embed_scale", "residual_scale",
+                     "logits_scale"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise CheckpointError(f"config.json: {_FIELD_NAMES[name]} must be positive and finite, got {v}")
         for name in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab"):
             if getattr(self, name) <= 0:
                 raise CheckpointError(f"config.json: {name} must be positive, got {getattr(self, name)}")
@@ -63,6 +80,21 @@ class ModelConfig:
             raise CheckpointError(
                 f"config.json: num_attention_heads {self.heads} is not a multiple of "
                 f"num_key_value_heads {self.kv_heads}")
+
+    @property
+    def gemma(self) -> bool:
+        """(1 + w) RMSNorms, a norm after attention and after the MLP, GELU-tanh: gemma2's layer."""
+        return self.arch == "gemma2"
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of one layer's attention, None for full attention."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -100,24 +132,75 @@ class ModelConfig:
                 f"{source}: architecture {archs or raw.get('model_type')!r} is not supported; "
                 f"policyscan runs {', '.join(ARCHITECTURES)}")
         arch = known[0]
+        _refuse_unsupported(raw, arch, source)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
             rope = _rope(raw)
-            window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+            if arch == "gemma2":  # no use_sliding_window switch: layer_types says which layers slide
+                window = raw.get("sliding_window", 4096)
+            else:
+                window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+            extra = _gemma2(raw, hidden) if arch == "gemma2" else _granite(raw) if arch == "granite" else {}
             return cls(
                 arch=arch, hidden=hidden, intermediate=int(raw["intermediate_size"]),
                 layers=int(raw["num_hidden_layers"]), heads=heads,
                 kv_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 vocab=int(raw["vocab_size"]), rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope=rope, tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                rope=rope, tie_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma2")),
                 qkv_bias=bool(raw.get("attention_bias", arch == "qwen2")),
                 qk_norm=arch == "qwen3", sliding_window=int(window) if window else None,
-                max_position=int(raw.get("max_position_embeddings", 131072)),
+                max_position=int(raw.get("max_position_embeddings", 131072)), **extra,
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: missing key {e.args[0]!r}") from e
+
+
+# ModelConfig field -> the config.json key it comes from, for messages
+_FIELD_NAMES = {"attn_scale": "query_pre_attn_scalar / attention_multiplier",
+                "attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping",
+                "embed_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                "logits_scale": "logits_scaling"}
+LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
+
+
+def _refuse_unsupported(raw: dict, arch: str, source: str) -> None:
+    """Fields whose other values change the model in ways policyscan does not implement: refused by name."""
+    act_key, act = ("hidden_activation", "gelu_pytorch_tanh") if arch == "gemma2" else ("hidden_act", "silu")
+    if raw.get(act_key, act) != act:
+        raise CheckpointError(f"{source}: {act_key} {raw[act_key]!r} is not supported for {arch} (only {act!r})")
+    flags = ["mlp_bias"] + (["attention_bias", "use_bidirectional_attention"] if arch in ("gemma2", "granite")
+                            else [])
+    for key in flags:
+        if raw.get(key):
+            raise CheckpointError(f"{source}: {key} = {raw[key]!r} is not supported for {arch}")
+
+
+def _gemma2(raw: dict, hidden: int) -> dict:
+    """HF's defaults where a key is missing; a key set to null turns its soft-capping off."""
+    n = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if any(t not in LAYER_TYPES for t in types):
+        raise CheckpointError(f"config.json: layer_types {sorted(set(types) - set(LAYER_TYPES))} are not supported "
+                              f"(supported: {', '.join(LAYER_TYPES)})")
+    scalar = float(raw.get("query_pre_attn_scalar", 256))
+    if not scalar > 0:
+        raise CheckpointError(f"config.json: query_pre_attn_scalar must be positive, got {scalar}")
+    return dict(sliding_layers=tuple(LAYER_TYPES[t] for t in types), attn_scale=scalar ** -0.5,
+                attn_softcap=_opt(raw.get("attn_logit_softcapping", 50.0)),
+                final_softcap=_opt(raw.get("final_logit_softcapping", 30.0)), embed_scale=hidden ** 0.5)
+
+
+def _granite(raw: dict) -> dict:
+    return dict(attn_scale=float(raw.get("attention_multiplier", 1.0)),
+                embed_scale=float(raw.get("embedding_multiplier", 1.0)),
+                residual_scale=float(raw.get("residual_multiplier", 1.0)),
+                logits_scale=float(raw.get("logits_scaling", 1.0)))
+
+
+def _opt(v) -> float | None:
+    return float(v) if v is not None else None
 
 
 def _rope(raw: dict) -> RopeConfig:

@@ -39,14 +39,16 @@ class DenseLoraLinear:
     """y = prologue(x) @ W.T (+ bias) + LoRA (+ residual), W in the compute dtype.
 
     silu_out: a fused gate/up projection whose rows are interleaved (interleave_halves) and whose output is
-    silu(gate) * up; the LoRA B rows are interleaved the same way by set_lora."""
+    silu(gate) * up; the LoRA B rows are interleaved the same way by set_lora. gelu: gelu_tanh(gate) * up
+    instead (gemma2)."""
 
     quantized = False
     weight_scale: torch.Tensor | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prologue: Prologue, ops: ModuleType,
-                 silu_out: bool = False):
+                 silu_out: bool = False, gelu: bool = False):
         self.weight, self.bias, self.prologue, self.ops, self.silu_out = weight, bias, prologue, ops, silu_out
+        self.gelu = gelu and silu_out
         self.lora: LoraStack | None = None
         self.spans: RankSpans | None = None
 
@@ -120,7 +122,8 @@ class DenseLoraLinear:
         h, h_scale, s = self._prologue(x, token_adapter, x_amax, tma)
         return self.ops.lora_gemm(h, h_scale, self.weight, self.weight_scale, s, self.lora.B if self.lora else None,
                                   token_adapter, self.bias, residual, x.dtype, self.silu_out, row_amax=row_amax,
-                                  amax_weight=amax_weight if row_amax else None, spans=self.spans, rope=rope)
+                                  amax_weight=amax_weight if row_amax else None, spans=self.spans, rope=rope,
+                                  gelu=self.gelu)
 
 
 def _take(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
@@ -138,10 +141,10 @@ class Fp8LoraLinear(DenseLoraLinear):
     quantized = True
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 prologue: Prologue, ops: ModuleType, silu_out: bool = False):
+                 prologue: Prologue, ops: ModuleType, silu_out: bool = False, gelu: bool = False):
         if weight.dtype != torch.float8_e4m3fn:
             raise ValueError(f"Fp8LoraLinear needs an e4m3 weight, got {weight.dtype}")
-        super().__init__(weight, bias, prologue, ops, silu_out)
+        super().__init__(weight, bias, prologue, ops, silu_out, gelu)
         self.weight_scale = weight_scale.float().reshape(-1)
 
     def set_lora(self, stack: LoraStack | None) -> None:

@@ -42,6 +42,11 @@ def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str =
         pairs = [weight(weight_name(layer, p)) for p in projs]
         w = torch.cat([w for w, _ in pairs])
         scale = torch.cat([s for _, s in pairs]) if fp8 and w8a8 else None
+        if _branch_scale(cfg, projs) != 1.0:  # granite's residual_multiplier, folded into the branch's output
+            if scale is not None:
+                scale = scale * cfg.residual_scale
+            else:
+                w = (w.float() * cfg.residual_scale).to(w.dtype)
         if silu_out:  # gate and up rows side by side for the GEMM's SiLU-and-mul epilogue
             w = interleave_halves(w).contiguous()
             scale = interleave_halves(scale).contiguous() if scale is not None else None
@@ -49,26 +54,48 @@ def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str =
         if cfg.qkv_bias and projs == GROUPS["qkv"]:
             bias = torch.cat([get(weight_name(layer, p) + ".bias").float() for p in projs])
         if scale is not None:
-            return Fp8LoraLinear(w, scale, bias, prologue, ops, silu_out)
-        return DenseLoraLinear(w, bias, prologue, ops, silu_out)
+            return Fp8LoraLinear(w, scale, bias, prologue, ops, silu_out, cfg.gemma)
+        return DenseLoraLinear(w, bias, prologue, ops, silu_out, cfg.gemma)
 
     def norm(name: str) -> torch.Tensor:
+        if cfg.gemma:  # HF's (1 + w.float()), kept in fp32: every kernel reads norm weights as fp32
+            return 1 + get(name).float()
         return get(name).to(dtype)
 
     layers = []
     for i in range(cfg.layers):
         pre = f"model.layers.{i}."
+        # gemma2 norms the branches' outputs too: its MLP's input norm is pre_feedforward_layernorm
+        mlp_norm = "pre_feedforward_layernorm" if cfg.gemma else "post_attention_layernorm"
         layers.append(DecoderLayer(
             qkv=linear(i, GROUPS["qkv"], Prologue(norm(pre + "input_layernorm.weight"), cfg.rms_eps)),
             o=linear(i, GROUPS["o"], Prologue()),
-            gate_up=linear(i, GROUPS["gate_up"], Prologue(norm(pre + "post_attention_layernorm.weight"), cfg.rms_eps),
+            gate_up=linear(i, GROUPS["gate_up"], Prologue(norm(pre + mlp_norm + ".weight"), cfg.rms_eps),
                            silu_out=True),
             down=linear(i, GROUPS["down"], Prologue()),
             q_norm=norm(pre + "self_attn.q_norm.weight") if cfg.qk_norm else None,
             k_norm=norm(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+            post_attn_norm=norm(pre + "post_attention_layernorm.weight") if cfg.gemma else None,
+            post_mlp_norm=norm(pre + "post_feedforward_layernorm.weight") if cfg.gemma else None,
         ))
-    embed = get("model.embed_tokens.weight").to(dtype)
-    return Decoder(cfg, embed, layers, norm("model.norm.weight"), ops, _head_reader(ckpt))
+    return Decoder(cfg, _embeddings(cfg, get("model.embed_tokens.weight"), dtype), layers, norm("model.norm.weight"),
+                   ops, _head_reader(ckpt))
+
+
+def _embeddings(cfg: ModelConfig, embed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The table with the embedding scale folded in, each entry rounded as HF rounds the scaled lookup: gemma2
+    multiplies by its normalizer rounded to the embedding dtype, granite by a Python float."""
+    embed = embed.to(dtype)
+    if cfg.embed_scale == 1.0:
+        return embed
+    if cfg.gemma:
+        return embed * torch.tensor(cfg.embed_scale, dtype=dtype)
+    return (embed.float() * cfg.embed_scale).to(dtype)
+
+
+def _branch_scale(cfg: ModelConfig, projs: tuple[str, ...]) -> float:
+    """The factor on a projection's output before its residual add (granite's residual_multiplier)."""
+    return cfg.residual_scale if projs in (GROUPS["o"], GROUPS["down"]) else 1.0
 
 
 def _head_reader(ckpt: Checkpoint):
@@ -91,8 +118,11 @@ def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tu
     for p in policies:
         check_policy(p, cfg)
     flat = sorted({i for pair in label_ids for i in pair})
-    rows = dict(zip(flat, decoder.head_rows(flat)))
-    decoder.head = torch.stack([rows[v] - rows[c] for c, v in label_ids]).to(decoder.device)
+    rows = {i: r / cfg.logits_scale for i, r in zip(flat, decoder.head_rows(flat))}  # granite's logits_scaling
+    if cfg.final_softcap is not None:  # each logit is capped before the difference: both rows kept
+        decoder.head = torch.stack([torch.stack([rows[v], rows[c]]) for c, v in label_ids]).to(decoder.device)
+    else:
+        decoder.head = torch.stack([rows[v] - rows[c] for c, v in label_ids]).to(decoder.device)
     for i, layer in enumerate(decoder.layers):
         for group, projs in GROUPS.items():
             lin: DenseLoraLinear = getattr(layer, group)
@@ -117,6 +147,6 @@ def _stack(cfg: ModelConfig, layer: int, projs: tuple[str, ...], policies: list[
                 a, b = ab
                 r = a.shape[0]
                 A[n, r0:r0 + r] = a
-                B[n, o0:o0 + out, r0:r0 + r] = b * pol.lora.scales[(layer, proj)]
+                B[n, o0:o0 + out, r0:r0 + r] = b * (pol.lora.scales[(layer, proj)] * _branch_scale(cfg, projs))
             r0, o0 = r0 + rmax, o0 + out
     return LoraStack(A.to(device=device, dtype=dtype), B.to(device=device, dtype=dtype))

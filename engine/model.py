@@ -1,4 +1,4 @@
-"""The decoder (Llama / Mistral / Qwen2 / Qwen3) over packed multi-LoRA batches, reading f from two tokens."""
+"""The decoder (Llama, Mistral, Qwen2, Qwen3, Gemma2, Granite) over packed multi-LoRA batches; f from two tokens."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,6 +21,8 @@ class DecoderLayer:
     down: DenseLoraLinear      # + residual
     q_norm: torch.Tensor | None = None  # Qwen3 per-head norms
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # gemma2: o's output normed before its residual add
+    post_mlp_norm: torch.Tensor | None = None   # gemma2: down's output normed before its residual add
 
 
 class Decoder:
@@ -100,19 +102,41 @@ class Decoder:
             # Every kernel that writes a projection's input also leaves its row maxima (times the next norm's
             # weight), so that no FP8 prologue sweeps its input for the scale: each reads it once. At 16 bits
             # no prologue quantizes: only the attention's, which costs nothing, is computed, and left unused.
-            attn, attn_amax = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.head_dim ** -0.5,
-                                                   cfg.sliding_window, last_only=last_only, prefix=pkv, row_amax=True)
+            attn, attn_amax = ops.varlen_attention(qkv, batch.cu_seqlens, shape, cfg.scale, cfg.window(i),
+                                                   last_only=last_only, prefix=pkv, row_amax=True,
+                                                   softcap=cfg.attn_softcap)
             if last_only:
                 h, tok_ad = h[last], batch.seq_adapter
-            h, h_amax = layer.o.with_amax(attn, tok_ad, residual=h, x_amax=attn_amax,
-                                          next_norm=layer.gate_up.prologue.norm_weight)
-            act, act_amax = layer.gate_up.with_amax(h, tok_ad, x_amax=h_amax)
-            if last_only:  # the final norm is no prologue
-                h = layer.down(act, tok_ad, residual=h, x_amax=act_amax)
+            if cfg.gemma:
+                h = self._sandwich_branches(layer, attn, attn_amax, h, tok_ad)
             else:
-                h, h_amax = layer.down.with_amax(act, tok_ad, residual=h, x_amax=act_amax,
-                                                 next_norm=self.layers[i + 1].qkv.prologue.norm_weight)
-        return ops.head(h, self.norm, cfg.rms_eps, self.head, batch.seq_adapter)
+                h, h_amax = self._branches(i, layer, attn, attn_amax, h, h_amax, tok_ad)
+        return ops.head(h, self.norm, cfg.rms_eps, self.head, batch.seq_adapter, softcap=cfg.final_softcap)
+
+    def _branches(self, i: int, layer: DecoderLayer, attn: torch.Tensor, attn_amax: torch.Tensor | None,
+                  h: torch.Tensor, h_amax: torch.Tensor | None, tok_ad: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """o and the MLP, each adding its residual in the GEMM's epilogue; returns h and its row maxima."""
+        h, h_amax = layer.o.with_amax(attn, tok_ad, residual=h, x_amax=attn_amax,
+                                      next_norm=layer.gate_up.prologue.norm_weight)
+        act, act_amax = layer.gate_up.with_amax(h, tok_ad, x_amax=h_amax)
+        if i == len(self.layers) - 1:  # the final norm is no prologue
+            return layer.down(act, tok_ad, residual=h, x_amax=act_amax), None
+        return layer.down.with_amax(act, tok_ad, residual=h, x_amax=act_amax,
+                                    next_norm=self.layers[i + 1].qkv.prologue.norm_weight)
+
+    def _sandwich_branches(self, layer: DecoderLayer, attn: torch.Tensor, attn_amax: torch.Tensor | None,
+                           h: torch.Tensor, tok_ad: torch.Tensor) -> torch.Tensor:
+        """gemma2's o and MLP, each branch's output normed before its residual add: a norm no GEMM epilogue
+        can apply, so o and down write the branch alone and a 16-bit norm prologue (no LoRA) then adds it.
+        The next prologues find their FP8 scales by a sweep (no row maxima are passed on)."""
+        h = self._norm_add(layer.o(attn, tok_ad, x_amax=attn_amax), layer.post_attn_norm, h, tok_ad)
+        return self._norm_add(layer.down(layer.gate_up(h, tok_ad), tok_ad), layer.post_mlp_norm, h, tok_ad)
+
+    def _norm_add(self, y: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                  tok_ad: torch.Tensor) -> torch.Tensor:
+        """residual + rmsnorm(y), the norm rounded to y's dtype and the sum rounded again, as HF does."""
+        return self.ops.prologue(y, weight, self.cfg.rms_eps, None, tok_ad, False)[0] + residual
 
     def prefill_prefixes(self, prefixes: list[list[int]]) -> PrefixCache | None:
         """Run each policy's fixed prompt head ([BOS] + prefix) once with its adapter and keep every layer's

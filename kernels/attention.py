@@ -1,8 +1,9 @@
 """Causal attention over packed variable-length sequences, reading the fused qkv projection directly.
 
 Semantics: reference.varlen_attention — causal softmax(q k^T * scale) v per sequence over q and k already
-normed and rotated (the qkv GEMM's RopeCols), GQA, optional sliding window, optional cached prefix rows first,
-fp32 inside, rounded to qkv's dtype. With last_only only each sequence's last token queries.
+normed and rotated (the qkv GEMM's RopeCols), GQA, optional sliding window, optional soft-capping of the scores
+(cap * tanh(s / cap), gemma2), optional cached prefix rows first, fp32 inside, rounded to qkv's dtype. With
+last_only only each sequence's last token queries.
 
 Work list: the grid is (query blocks of all sequences, key/value heads), one program per (sequence, query
 block, key/value head), found from cumulative block counts computed on the device. A program owns the block's
@@ -22,16 +23,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_math import tanh
 from .reference import AttnShape, PrefixKV
 
 
 @triton.jit
 def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_keys, window, qk_scale,
-                stride_t, stride_pre, K_COL, V_COL, kvh, rd, d_ok,
+                cap_in, cap_out, stride_t, stride_pre, K_COL, V_COL, kvh, rd, d_ok,
                 D: tl.constexpr, HAS_PREFIX: tl.constexpr, MASK: tl.constexpr, BN: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, SOFTCAP: tl.constexpr, LIB: tl.constexpr):
     """One key block of the online softmax. MASK=False: every key is visible to every query of the block
-    (keys before the block's first query), so neither the causal nor the bounds mask is needed."""
+    (keys before the block's first query), so neither the causal nor the bounds mask is needed.
+    SOFTCAP: the scores become cap * tanh(qk * scale / cap) in log2 units (cap_in = scale / cap,
+    cap_out = cap * log2 e), and qk_scale is 1."""
     rn = n0 + tl.arange(0, BN)
     rows = rows_ptr + (start + rn - P) * stride_t
     if HAS_PREFIX:
@@ -43,6 +47,8 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
         kv_m = d_ok[None, :]
     k = tl.load(rows[:, None] + K_COL + kvh * D + rd[None, :], mask=kv_m, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if SOFTCAP:
+        qk = tanh(qk * cap_in, LIB) * cap_out
     if MASK:
         ok = (rn[None, :] <= qpos[:, None]) & n_ok[None, :]
         if window > 0:
@@ -72,10 +78,10 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
 @triton.jit
 def _attn_kernel(
     qkv_ptr, o_ptr, cu_ptr, blk_seq_ptr, cu_blk_ptr, pre_ptr, pre_start_ptr, pre_len_ptr, amax_ptr,
-    scale, window, B, stride_t, stride_ot, stride_pre, K_COL, V_COL, stride_am,
+    scale, window, B, stride_t, stride_ot, stride_pre, K_COL, V_COL, stride_am, cap,
     D: tl.constexpr, LAST_ONLY: tl.constexpr, HAS_PREFIX: tl.constexpr, AMAX: tl.constexpr,
     G: tl.constexpr, BQ: tl.constexpr, QP: tl.constexpr, BR: tl.constexpr,
-    BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr, LIB: tl.constexpr,
 ):
     pid, kvh = tl.program_id(0), tl.program_id(1)
     if LAST_ONLY:
@@ -122,6 +128,10 @@ def _attn_kernel(
     l_i = tl.zeros((BR,), dtype=tl.float32)
     acc = tl.zeros((BR, BD), dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
+    cap_in = scale / cap
+    cap_out = cap * 1.4426950408889634
+    if SOFTCAP:  # the capped scores come out of _attn_block already scaled
+        qk_scale = 1.0
     hi = tl.minimum(n_keys, q0 + BQ)
     # Keys [lo, full) come before the block's first query: every query sees them, so those blocks skip the
     # causal mask (the split depends on positions only, so batch invariance and the prefix cache's bitwise
@@ -134,12 +144,12 @@ def _attn_kernel(
         full = (q0 + 1) // BN * BN
     for n0 in range(lo, full, BN):
         acc, m_i, l_i = _attn_block(q, acc, m_i, l_i, qpos, n0, qkv_ptr, pre_ptr, start, P, p0, n_keys, window,
-                                    qk_scale, stride_t, stride_pre, K_COL, V_COL, kvh, rd, d_ok,
-                                    D, HAS_PREFIX, False, BN, PREC)
+                                    qk_scale, cap_in, cap_out, stride_t, stride_pre, K_COL, V_COL, kvh, rd, d_ok,
+                                    D, HAS_PREFIX, False, BN, PREC, SOFTCAP, LIB)
     for n0 in range(full, hi, BN):
         acc, m_i, l_i = _attn_block(q, acc, m_i, l_i, qpos, n0, qkv_ptr, pre_ptr, start, P, p0, n_keys, window,
-                                    qk_scale, stride_t, stride_pre, K_COL, V_COL, kvh, rd, d_ok,
-                                    D, HAS_PREFIX, True, BN, PREC)
+                                    qk_scale, cap_in, cap_out, stride_t, stride_pre, K_COL, V_COL, kvh, rd, d_ok,
+                                    D, HAS_PREFIX, True, BN, PREC, SOFTCAP, LIB)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     orow = b + qi if LAST_ONLY else start + mblk * BQ + qi  # last_only: row b holds sequence b
     o = (acc * inv[:, None]).to(o_ptr.dtype.element_ty)
@@ -155,7 +165,8 @@ def _attn_kernel(
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
                      window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
                      out: torch.Tensor | None = None, config: dict | None = None,
-                     row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     row_amax: bool = False, softcap: float | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
     written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, maxnreg)
     overrides the tile choice (bench/sweep.py); row_amax: also return each row's max |out| per key/value head
@@ -167,6 +178,8 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
     B = cu_seqlens.numel() - 1
     if not scale > 0:  # the kernel takes each block's max score before scaling it (_attn_block)
         raise ValueError(f"scale must be positive, got {scale}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     if cu_seqlens.dtype != torch.int32:
         raise ValueError("cu_seqlens must be int32 [B+1]")
     if prefix is not None:
@@ -215,10 +228,11 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         prefix.rows if prefix is not None else qkv, prefix.start if prefix is not None else cu_seqlens,
         prefix.length if prefix is not None else cu_seqlens, amax if row_amax else out,
         scale, window or 0, B, qkv.stride(0), out.stride(0),
-        prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D, rows,
+        prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D, rows, softcap or 1.0,
         D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, AMAX=row_amax, G=G, BQ=BQ,
         QP=triton.next_power_of_2(BQ), BR=max(16, triton.next_power_of_2(BQ * G)), BN=BN,
         BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32",
+        SOFTCAP=softcap is not None, LIB=not interpret,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return (out, amax) if row_amax else out

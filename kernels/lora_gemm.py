@@ -2,7 +2,7 @@
 
 Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype) @ B[token_adapter].T
 (+ bias) (+ residual), fp32 accumulation, one rounding to y's dtype; with silu_out, W's rows alternate
-gate and up and y = silu(y[:, 0::2]) * y[:, 1::2] — reference.lora_gemm.
+gate and up and y = silu(y[:, 0::2]) * y[:, 1::2] (gelu_tanh with gelu: gemma2) — reference.lora_gemm.
 
 Why SiLU-and-mul here: as the down projection's prologue it re-read the [T, 2I] gate/up output twice,
 392 us of each 16k-token batch per layer at W1's shape (bench/sweep.py); here gate and up sit
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .fast_math import silu_mul
+from .fast_math import gelu_tanh_mul, silu_mul
 from .launch import sm_count, tma_ok
 from .reference import RopeCols
 from .rope import rope_cols
@@ -60,7 +60,8 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
               BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
     """Scales, the multi-LoRA expand, bias, residual, SiLU-and-mul and the store of one [BM, BN] tile
     (with AMAX, also the tile's row maxima of |y * amax_w| (or |y|), y as stored: partial pid_n of amax).
-    SILU_OUT: 0 none, 1 the plain formula (interpreter), 2 fast_math's form, the Gluon kernel's bits."""
+    SILU_OUT: 0 none, 1 the plain formula (interpreter), 2 fast_math's form, the Gluon kernel's bits;
+    GELU-tanh-and-mul instead: 3 with the interpreter's tanh, 4 with libdevice's."""
     m_ok, n_ok = rm < M, rn < N
     if HAS_SCALE:
         xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
@@ -88,7 +89,10 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         acc += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     if SILU_OUT:
         g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
-        h = silu_mul(g, u, SILU_OUT == 2).to(y_ptr.dtype.element_ty)
+        if SILU_OUT >= 3:
+            h = gelu_tanh_mul(g, u, SILU_OUT == 4).to(y_ptr.dtype.element_ty)
+        else:
+            h = silu_mul(g, u, SILU_OUT == 2).to(y_ptr.dtype.element_ty)
         rh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
         mask = m_ok[:, None] & (rh[None, :] < N // 2)
         tl.store(y_ptr + rm[:, None] * stride_ym + rh[None, :], h, mask=mask)
@@ -192,7 +196,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
               silu_out: bool = False, out: torch.Tensor | None = None, config: dict | None = None,
               row_amax: bool = False, amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None,
-              rope: RopeCols | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              rope: RopeCols | None = None, gelu: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.lora_gemm. x [M, K], W [N, K], B [n, N, R]; `out` is written
     in place when given; `config` overrides the tile choice of the Triton kernel (bench/sweep.py).
     row_amax: also return each tile's row maxima of |y| [N tiles, M] — of |y * amax_weight| when given (the
@@ -208,7 +212,8 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     tests/test_kernels.py::test_fp8_gemm_kernels_agree_bitwise), so the choice by M keeps batch invariance.
     Stacked ranks over 64 (r = 32 on q, k and v is 96) take the Gluon kernel at the same M, its expand in 64-rank
     pieces: the Triton kernel's 128x256 tiles spill at BR = 128 (2.7 KB a thread compiled for sm_90a, against
-    1.0 KB at 64) and ran rank 192 with 128 adapters at 587 against the Gluon kernel's 162 us (M = 3000)."""
+    1.0 KB at 64) and ran rank 192 with 128 adapters at 587 against the Gluon kernel's 162 us (M = 3000).
+    gelu (with silu_out): GELU-tanh-and-mul, which only the Triton kernel has, so those calls stay there."""
     M, K = x.shape
     N = W.shape[0]
     if W.shape[1] != K or x.dtype != W.dtype:
@@ -229,6 +234,8 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
             raise ValueError("token_adapter must be int32 [M]")
     if residual is not None and (residual.shape != (M, N) or residual.stride(1) != 1):
         raise ValueError(f"residual must be [M, N] = [{M}, {N}] with a contiguous last dimension")
+    if gelu and not silu_out:
+        raise ValueError("gelu names the gated activation of a silu_out projection")
     if silu_out and (N % 2 or residual is not None or amax_weight is not None):
         raise ValueError("the SiLU epilogue needs an even N (gate/up rows interleaved), no residual and no "
                          "amax_weight")
@@ -245,7 +252,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     # 64-300 rows it wins at every rank, 1.04-1.85x, spilling or not. Past 1024 rows the Gluon kernel
     # is ahead: a W1 layer's four GEMMs 1.02x at 1280 rows, 1.11-1.13x at 1536-2048; W4's 1.01x, 1.02-1.08x
     # (at 768, 0.94x / 1.01x).
-    if (not config and M >= WS_MIN_ROWS and lora_gemm_ws is not None and x_scale is not None
+    if (not config and not gelu and M >= WS_MIN_ROWS and lora_gemm_ws is not None and x_scale is not None
             and lora_gemm_ws.usable(x, W, y, residual, B)):
         amax = torch.empty((triton.cdiv(N, lora_gemm_ws.BN), M), dtype=torch.float32, device=x.device) \
             if row_amax else None
@@ -255,7 +262,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     else:
         inside = False
         amax = _triton_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out, config,
-                            row_amax, amax_weight)
+                            row_amax, amax_weight, gelu)
     if rope is not None and not inside:
         rope_cols(y, rope)
     return (y, amax) if row_amax else y
@@ -264,7 +271,8 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
 def _triton_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
                  s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
                  bias: torch.Tensor | None, residual: torch.Tensor | None, y: torch.Tensor, silu_out: bool,
-                 config: dict | None, row_amax: bool, amax_weight: torch.Tensor | None) -> torch.Tensor | None:
+                 config: dict | None, row_amax: bool, amax_weight: torch.Tensor | None,
+                 gelu: bool = False) -> torch.Tensor | None:
     """The Triton kernels into y (arguments checked by lora_gemm); returns the row maxima when asked for."""
     (M, K), N = x.shape, W.shape[0]
     R = s.shape[1] if s is not None else 0
@@ -276,6 +284,8 @@ def _triton_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor,
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     dummy = y
     silu = (1 if x.device.type == "cpu" else 2) if silu_out else 0  # 2: fast_math's form (no interpreter)
+    if gelu:  # 4: libdevice's tanh (no interpreter)
+        silu += 2
     if tma:
         # NUM_PROGS (the tile stride) is a constexpr: kept to a few values so that batches of new sizes do
         # not compile new kernels. Persistent: the SM count, with no more programs than tiles; otherwise

@@ -100,11 +100,17 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def head(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, head_rows: torch.Tensor,
-         seq_adapter: torch.Tensor) -> torch.Tensor:
-    """Semantics: f = (rmsnorm(h, w, eps).float() * head_rows[seq_adapter]).sum(-1), fp32; 0 for adapter -1."""
+         seq_adapter: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """Semantics: f = (rmsnorm(h, w, eps).float() * head_rows[seq_adapter]).sum(-1), fp32; 0 for adapter -1.
+    softcap: head_rows is [n, 2, H], each policy's W[Violation] and W[Compliant] rows, and
+    f = cap * tanh(l_v / cap) - cap * tanh(l_c / cap) of the two logits l = hn . row."""
     ad = seq_adapter.long()
-    rows = head_rows[ad.clamp(min=0)] * (ad >= 0)[:, None]
-    return (rmsnorm(h, norm_weight, eps).float() * rows).sum(-1)
+    rows = head_rows[ad.clamp(min=0)] * (ad >= 0).view(-1, *[1] * (head_rows.dim() - 1))
+    hn = rmsnorm(h, norm_weight, eps).float()
+    if softcap is None:
+        return (hn * rows).sum(-1)
+    capped = softcap * torch.tanh((hn[:, None, :] * rows).sum(-1) / softcap)
+    return capped[:, 0] - capped[:, 1]
 
 
 def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,10 +174,11 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
               silu_out: bool = False, out: torch.Tensor | None = None, row_amax: bool = False,
               amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None,
-              rope: RopeCols | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              rope: RopeCols | None = None, gelu: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(dtype) @ B[adapter].T
     (+ bias) (+ residual), accumulated in fp32, rounded once to out_dtype. W is [N, K].
-    silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2].
+    silu_out: W's rows alternate gate, up (interleave_halves); y = silu(y[:, 0::2]) * y[:, 1::2], [M, N/2];
+    with gelu, gelu_tanh(y[:, 0::2]) * y[:, 1::2] instead (gemma2's gelu_pytorch_tanh).
     out: written in place (a view, e.g. some columns of a wider tensor) and returned.
     row_amax: also return partial row maxima of |y| [P, M], of |y * amax_weight| when given (prologue's x_amax).
     spans: where B can be nonzero (kernels.spans); it changes no result, so the twin takes every rank.
@@ -180,11 +187,11 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         raise ValueError("rope applies to a plain projection's output (no SiLU epilogue, no row maxima)")
     if out is not None:  # as the GPU launcher: out filled, and the row maxima too when asked for
         res = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out,
-                        row_amax=row_amax, amax_weight=amax_weight, rope=rope)
+                        row_amax=row_amax, amax_weight=amax_weight, rope=rope, gelu=gelu)
         out.copy_(res[0] if row_amax else res)
         return (out, res[1]) if row_amax else out
     if row_amax:
-        y = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out)
+        y = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out, gelu=gelu)
         return y, amax_parts(y if amax_weight is None else y.float() * amax_weight.float())
     dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
     acc = rows_matmul(x.to(dt), W.to(dt))
@@ -201,6 +208,8 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         acc = acc + bias.to(dt)
     if residual is not None:
         acc = acc + residual.to(dt)
+    if silu_out and gelu:
+        return (F.gelu(acc[:, 0::2], approximate="tanh") * acc[:, 1::2]).to(out_dtype)
     if silu_out:
         return (F.silu(acc[:, 0::2]) * acc[:, 1::2]).to(out_dtype)
     y = acc.to(out_dtype)
@@ -255,13 +264,15 @@ def rope_cols(y: torch.Tensor, rope: RopeCols) -> torch.Tensor:
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnShape, scale: float,
                      window: int | None = None, last_only: bool = False, prefix: PrefixKV | None = None,
-                     row_amax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     row_amax: bool = False, softcap: float | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Semantics: q, k, v = split(qkv) (q and k already normed and rotated: RopeCols); causal
     softmax(q k^T * scale) v within each packed sequence (GQA: kv head h // (H // Hkv)), fp32 inside, rounded
     to qkv.dtype. With `prefix`, a sequence's keys are its cached prefix rows followed by its own tokens.
     Returns [Tq, H * D]; with last_only, only each sequence's last token queries (Tq = sequences); an empty
     sequence's row is zero. `window` limits each query to its last `window` keys. row_amax: also return
-    partial row maxima of |out| [P, Tq] (see prologue's x_amax).
+    partial row maxima of |out| [P, Tq] (see prologue's x_amax). softcap: scores = cap * tanh(scores / cap)
+    after the scale, before the mask (gemma2).
 
     One sequence at a time (over the pool's threads), all its heads in two batched products whose rows are
     independent of how many queries share them (_product), so a query's result depends only on its own
@@ -281,7 +292,7 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         kv = qkv[s:e, q_cols:]
         if P:
             kv = torch.cat([prefix.rows[pstart[i]:pstart[i] + P, q_cols:], kv])
-        o = _attend(qkv[e - 1:e, :q_cols] if last_only else qkv[s:e, :q_cols], kv, shape, scale, window)
+        o = _attend(qkv[e - 1:e, :q_cols] if last_only else qkv[s:e, :q_cols], kv, shape, scale, window, softcap)
         if last_only:
             out[i] = o[0]
         else:
@@ -291,7 +302,8 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
     return (out, amax_parts(out)) if row_amax else out
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor, shape: AttnShape, scale: float, window: int | None) -> torch.Tensor:
+def _attend(q: torch.Tensor, kv: torch.Tensor, shape: AttnShape, scale: float, window: int | None,
+            softcap: float | None = None) -> torch.Tensor:
     """One sequence's attention: q [n, H*D], the last n of its m tokens; kv [m, 2*Hkv*D]; returns [n, H*D].
     A query row is (kv head, head in its group, token): the GQA group's heads share one product with their keys."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
@@ -304,7 +316,10 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, shape: AttnShape, scale: float, w
     hidden = kpos[None, :] > qpos
     if window is not None:
         hidden |= kpos[None, :] <= qpos - window
-    scores = (_product(qh, k.contiguous()) * scale).view(Hkv, G, n, m).masked_fill_(hidden, float("-inf"))
+    scores = _product(qh, k.contiguous()) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(Hkv, G, n, m).masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(Hkv, G * n, m)
     o = _product(probs, v.contiguous())  # [Hkv, G*n, D]
     return o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, H * D).to(q.dtype)

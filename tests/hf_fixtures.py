@@ -28,6 +28,16 @@ def hf_config(arch: str, tie: bool = False, **over):
     if arch == "qwen3":
         kw.setdefault("head_dim", 20)  # heads * head_dim != hidden, as in real Qwen3 models
         return tf.Qwen3Config(**kw)
+    if arch == "gemma2":  # small caps and window, so that soft-capping and the window matter at these sizes
+        for key, value in dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=9, attn_logit_softcapping=2.0,
+                               final_logit_softcapping=3.0).items():
+            kw.setdefault(key, value)
+        return tf.Gemma2Config(**kw)
+    if arch == "granite":  # multipliers far from 1, as in the real models
+        for key, value in dict(embedding_multiplier=12.0, attention_multiplier=0.09, residual_multiplier=0.22,
+                               logits_scaling=1.7).items():
+            kw.setdefault(key, value)
+        return tf.GraniteConfig(**kw)
     raise ValueError(arch)
 
 
