@@ -121,6 +121,8 @@ def _worker_devices(device: str, devices: str, workers: int) -> tuple[str, ...] 
         return ("cpu",) * workers if workers > 1 else None
     if workers > 1:
         raise click.UsageError("--workers is for the CPU (--device cpu); on GPUs each of --devices gets one worker")
+    if not torch.cuda.is_available():
+        return None  # the Engine says no GPU is visible, as for a single device
     if device.startswith("cuda:"):
         if devices != "all":
             raise click.UsageError(f"--device {device} names one GPU; drop it to score on --devices {devices}")
