@@ -5,8 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine.errors import PolicyscanError
-from .metrics import reliability
+from policyscan.engine.errors import PolicyscanError
+from policyscan.calibration.metrics import reliability
 
 
 def require_matplotlib() -> None:

@@ -11,17 +11,17 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ..calibration.labels import parse_labels
-from ..calibration.metrics import summary
-from ..calibration.platt import PlattFit, fit_platt
-from ..calibration.plot import reliability_plot, require_matplotlib
-from ..engine.checkpoint import file_sha256
-from ..engine.errors import InputError, PolicyscanError
-from ..engine.policy import load_policy
-from ..engine.runner import Engine, EngineSettings
-from ..engine.sources import ReadSpec, read_chunks
-from .common import (chat_template_option, check_lengths, clip_chars, default_model, engine_options, friendly_errors,
-                     input_files, model_option, resolve_chat_template)
+from policyscan.calibration.labels import parse_labels
+from policyscan.calibration.metrics import summary
+from policyscan.calibration.platt import PlattFit, fit_platt
+from policyscan.calibration.plot import reliability_plot, require_matplotlib
+from policyscan.engine.checkpoint import file_sha256
+from policyscan.engine.errors import InputError, PolicyscanError
+from policyscan.engine.policy import load_policy
+from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.sources import ReadSpec, read_chunks
+from policyscan.cli.common import (chat_template_option, check_lengths, clip_chars, default_model, engine_options,
+                                   friendly_errors, input_files, model_option, resolve_chat_template)
 
 MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not written without --force
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import click
 
-from ..engine.chat_template import TemplateChoiceError, choose_template
-from ..engine.errors import InputError, PolicyscanError
-from ..engine.jsonl import parsed_lines
-from ..engine.prompts import NO_TEMPLATE
-from ..engine.sources import ReadSpec, expand_inputs, pick_column
+from policyscan.engine.chat_template import TemplateChoiceError, choose_template
+from policyscan.engine.errors import InputError, PolicyscanError
+from policyscan.engine.jsonl import parsed_lines
+from policyscan.engine.prompts import NO_TEMPLATE
+from policyscan.engine.sources import ReadSpec, expand_inputs, pick_column
 
 # the repository's sample_data; an installed wheel ships it as the package policyscan.sample_data, the same place
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"

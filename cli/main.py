@@ -8,12 +8,12 @@ STARTED = time.perf_counter()  # before torch's import: the summary's time split
 
 import click
 
-from ..engine.runner import version
-from .calibrate import calibrate
-from .inspect import inspect_cmd
-from .quantize import quantize
-from .score import score
-from .verify import verify
+from policyscan.engine.runner import version
+from policyscan.cli.calibrate import calibrate
+from policyscan.cli.inspect import inspect_cmd
+from policyscan.cli.quantize import quantize
+from policyscan.cli.score import score
+from policyscan.cli.verify import verify
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from ..engine.quant import quantize_checkpoint
-from .common import friendly_errors
+from policyscan.engine.quant import quantize_checkpoint
+from policyscan.cli.common import friendly_errors
 
 
 @click.command()

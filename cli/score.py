@@ -9,18 +9,18 @@ import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..engine.checkpoint import file_sha256
-from ..engine.errors import PolicyscanError
-from ..engine.pipeline import Accounting, OutputSpec, run_key, score_inputs, up_to_date
-from ..engine.policy import load_policies
-from ..engine.runner import Engine, EngineSettings
-from ..engine.sources import ReadSpec
-from ..engine.workers import WorkerConfig, WorkerPool, parse_devices
-from ..engine.workers_run import score_inputs_workers
-from .common import (EXIT_OK, EXIT_ROW_ERRORS, chat_template_option, check_lengths, clip_chars, default_model,
-                     default_policies, engine_options, friendly_errors, input_files, model_option, preload_arrow,
-                     protected_files, resolve_chat_template)
-from .targets import Job, check_jobs, output_format, plan_jobs
+from policyscan.engine.checkpoint import file_sha256
+from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.pipeline import Accounting, OutputSpec, run_key, score_inputs, up_to_date
+from policyscan.engine.policy import load_policies
+from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.sources import ReadSpec
+from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
+from policyscan.engine.workers_run import score_inputs_workers
+from policyscan.cli.common import (EXIT_OK, EXIT_ROW_ERRORS, chat_template_option, check_lengths, clip_chars,
+                                   default_model, default_policies, engine_options, friendly_errors, input_files,
+                                   model_option, preload_arrow, protected_files, resolve_chat_template)
+from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
 
 
 @click.command()
@@ -196,7 +196,7 @@ def _summary(engine: Engine | WorkerPool, acc: Accounting) -> None:
 
 def _time_split(engine: Engine, acc: Accounting) -> str:
     """Where the run's wall time went: a nightly job pays start-up and load as well as scoring."""
-    from .main import STARTED
+    from policyscan.cli.main import STARTED
 
     whole = time.perf_counter() - STARTED
     startup = engine.load_started - STARTED

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from ..engine.errors import PolicyscanError
-from ..engine.sinks import is_errors_file, meta_path, read_metadata
-from .common import check_writable_dir, refuse_overwrites
+from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.sinks import is_errors_file, meta_path, read_metadata
+from policyscan.cli.common import check_writable_dir, refuse_overwrites
 
 SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "jsonl"))
 

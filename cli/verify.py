@@ -12,13 +12,13 @@ import click
 import numpy as np
 import pyarrow.parquet as pq
 
-from ..engine.checkpoint import Checkpoint, file_sha256
-from ..engine.errors import InputError, PolicyscanError
-from ..engine.policy import load_policy
-from ..engine.runner import Engine, EngineSettings
-from ..engine.sinks import read_metadata
-from ..engine.sources import ReadSpec, read_chunks
-from .common import check_device, friendly_errors
+from policyscan.engine.checkpoint import Checkpoint, file_sha256
+from policyscan.engine.errors import InputError, PolicyscanError
+from policyscan.engine.policy import load_policy
+from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.sinks import read_metadata
+from policyscan.engine.sources import ReadSpec, read_chunks
+from policyscan.cli.common import check_device, friendly_errors
 
 EXIT_DIFFERS = 4
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError, PolicyscanError
+from policyscan.engine.errors import CheckpointError, PolicyscanError
 
 RENDER_SECONDS = 2.0  # one conversation's chat template rendering, far above any real template's need
 PLAIN = "plain"

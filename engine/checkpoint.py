@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import PROJECTIONS, ModelConfig
-from .errors import CheckpointError
+from policyscan.engine.config import PROJECTIONS, ModelConfig
+from policyscan.engine.errors import CheckpointError
 
 PICKLE_NAMES = ("pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 # besides the weights: what shapes the prompt (tokenizer, chat template) or the tensors' meaning (config)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError
+from policyscan.engine.errors import CheckpointError
 
 # Architectures whose HF definitions differ only in the switches below.
 ARCHITECTURES = {

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from .errors import InputError
+from policyscan.engine.errors import InputError
 
 SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".ndjson", ".json")
 DIR_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".ndjson")  # what a directory contributes

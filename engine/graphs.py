@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import PackedBatch
-from .model import Decoder, PrefixCache
+from policyscan.engine.batch import PackedBatch
+from policyscan.engine.model import Decoder, PrefixCache
 
 
 def _bucket(n: int, least: int) -> int:

@@ -10,8 +10,8 @@ from types import ModuleType
 
 import torch
 
-from ..kernels.reference import RopeCols, interleave_halves
-from ..kernels.spans import RankSpans, rank_spans
+from policyscan.kernels.reference import RopeCols, interleave_halves
+from policyscan.kernels.spans import RankSpans, rank_spans
 
 
 @dataclass(frozen=True)

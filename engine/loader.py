@@ -5,14 +5,14 @@ from types import ModuleType
 
 import torch
 
-from .checkpoint import Checkpoint, weight_name
-from .config import ModelConfig
-from .errors import PolicyError
-from .layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
-from .model import Decoder, DecoderLayer
-from .policy import Policy, check_policy
-from .quant import dequantize_weight, quantize_weight
-from ..kernels.reference import interleave_halves
+from policyscan.engine.checkpoint import Checkpoint, weight_name
+from policyscan.engine.config import ModelConfig
+from policyscan.engine.errors import PolicyError
+from policyscan.engine.layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
+from policyscan.engine.model import Decoder, DecoderLayer
+from policyscan.engine.policy import Policy, check_policy
+from policyscan.engine.quant import dequantize_weight, quantize_weight
+from policyscan.kernels.reference import interleave_halves
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}

@@ -7,10 +7,10 @@ from types import ModuleType
 
 import torch
 
-from .batch import PackedBatch, pack
-from .config import ModelConfig, inv_freq
-from ..kernels.reference import AttnShape, PrefixKV, RopeCols, rope_tables
-from .layers import DenseLoraLinear
+from policyscan.engine.batch import PackedBatch, pack
+from policyscan.engine.config import ModelConfig, inv_freq
+from policyscan.kernels.reference import AttnShape, PrefixKV, RopeCols, rope_tables
+from policyscan.engine.layers import DenseLoraLinear
 
 
 @dataclass

@@ -15,11 +15,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from .checkpoint import file_sha256
-from .errors import InputError
-from .runner import Engine
-from .sinks import ErrorWriter, ScoreWriter, commit_together, meta_path, read_metadata, remove_leftovers
-from .sources import Chunk, PartialFileError, ReadSpec, read_chunks
+from policyscan.engine.checkpoint import file_sha256
+from policyscan.engine.errors import InputError
+from policyscan.engine.runner import Engine
+from policyscan.engine.sinks import (ErrorWriter, ScoreWriter, commit_together, meta_path, read_metadata,
+                                     remove_leftovers)
+from policyscan.engine.sources import Chunk, PartialFileError, ReadSpec, read_chunks
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def run_key(engine: Engine, spec: ReadSpec, out: OutputSpec, input_sha: str) -> 
     # threads change no bit of f (tests/test_cpu_threads.py): an archive scored with another --threads is done
     settings = {k: v for k, v in d["settings"].items() if k != "threads"}
     parts = {"input": input_sha, "model": d["model"]["sha256"], "policies": d["policies"],
-             "settings": settings, "chat_template": d["chat_template"], "precision": d["precision"], "read": asdict(spec), "out": asdict(out),
+             "settings": settings, "chat_template": d["chat_template"], "precision": d["precision"],
+             "read": asdict(spec), "out": asdict(out),
              "version": d["policyscan_version"]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 

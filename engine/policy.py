@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from .checkpoint import file_sha256
-from .config import PROJECTIONS, ModelConfig
-from .errors import PolicyError
+from policyscan.engine.checkpoint import file_sha256
+from policyscan.engine.config import PROJECTIONS, ModelConfig
+from policyscan.engine.errors import PolicyError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")

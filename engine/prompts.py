@@ -12,9 +12,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from .chat_template import ChatTemplate, choose_template, config_templates, token_str
-from .errors import CheckpointError, InputError, PolicyError
-from .policy import Policy
+from policyscan.engine.chat_template import ChatTemplate, choose_template, config_templates, token_str
+from policyscan.engine.errors import CheckpointError, InputError, PolicyError
+from policyscan.engine.policy import Policy
 
 NO_TEMPLATE = "the model ships no chat template and no --chat-template or policy chat_template names one"
 PROBES = ["Hello, world!", "  leading spaces\tand\ttabs\n\nnew lines  ", "Ünïcödé — 中文 ✓ 😀 émoji",

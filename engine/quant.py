@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..kernels.reference import FP8, FP8_MAX
-from .checkpoint import Checkpoint, weight_name
-from .config import PROJECTIONS
-from .errors import CheckpointError
+from policyscan.kernels.reference import FP8, FP8_MAX
+from policyscan.engine.checkpoint import Checkpoint, weight_name
+from policyscan.engine.config import PROJECTIONS
+from policyscan.engine.errors import CheckpointError
 
 # What llm-compressor writes for its FP8_DYNAMIC scheme, so vLLM and others load our output too.
 FP8_DYNAMIC_CONFIG = {

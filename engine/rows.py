@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from .errors import InputError
+from policyscan.engine.errors import InputError
 
 TEXT_GUESSES = ("text", "conversation", "transcript")
 MESSAGES_GUESSES = ("messages", "conversation", "turns")

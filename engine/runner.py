@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .batch import pack
-from .batcher import plan_batches
-from .checkpoint import Checkpoint, in_background
-from .config import ModelConfig
-from .errors import PolicyscanError
-from .graphs import GraphedForward
-from .loader import attach_policies, load_decoder
-from .policy import Policy
-from .prompts import PromptBuilder, TextEncoder
+from policyscan.engine.batch import pack
+from policyscan.engine.batcher import plan_batches
+from policyscan.engine.checkpoint import Checkpoint, in_background
+from policyscan.engine.config import ModelConfig
+from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.graphs import GraphedForward
+from policyscan.engine.loader import attach_policies, load_decoder
+from policyscan.engine.policy import Policy
+from policyscan.engine.prompts import PromptBuilder, TextEncoder
 
 PRECISIONS = ("auto", "fp8", "bf16", "fp32")
 DTYPES = {"fp8": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -84,7 +84,7 @@ class Engine:
         self.device = resolve_device(settings.device)
         gpu = self.device.type == "cuda"
         if not gpu:
-            from ..kernels import reference
+            from policyscan.kernels import reference
             reference.set_threads(settings.threads or default_threads())
         self.precision = settings.precision if settings.precision != "auto" else ("fp8" if gpu else "fp32")
         self.checkpoint = Checkpoint.open(model_dir)
@@ -196,7 +196,7 @@ def _check_offsets(cfg: ModelConfig, batch_tokens: int) -> None:
 
 def _ops(gpu: bool):
     if gpu:
-        from ..kernels import triton_ops
+        from policyscan.kernels import triton_ops
         return triton_ops
-    from ..kernels import reference
+    from policyscan.kernels import reference
     return reference

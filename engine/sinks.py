@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import InputError
+from policyscan.engine.errors import InputError
 
 META_KEY = b"policyscan"
 ERROR_KEYS = {"file", "row", "line", "id", "reason"}

@@ -10,10 +10,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .discover import SUFFIXES, expand_inputs  # noqa: F401  (the CLI finds its inputs through this module)
-from .errors import InputError
-from .jsonl import read_jsonl
-from .rows import Chunk, PartialFileError, ReadSpec, clip, conversation, pick_column  # noqa: F401  (public here)
+# the CLI finds its inputs through this module
+from policyscan.engine.discover import SUFFIXES, expand_inputs  # noqa: F401
+from policyscan.engine.errors import InputError
+from policyscan.engine.jsonl import read_jsonl
+# public here: the readers' types
+from policyscan.engine.rows import Chunk, PartialFileError, ReadSpec, clip, conversation, pick_column  # noqa: F401
 
 Lost = tuple[int, str]  # rows of a row group that could not be read, and why
 

@@ -14,11 +14,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import InputError
-from .pipeline import FileFailure
-from .rows import Chunk, ReadSpec, clip, conversation, pick_column
-from .runner import Engine
-from .sources import Lost, _lost, _row_names, _text_type_error, read_chunks
+from policyscan.engine.errors import InputError
+from policyscan.engine.pipeline import FileFailure
+from policyscan.engine.rows import Chunk, ReadSpec, clip, conversation, pick_column
+from policyscan.engine.runner import Engine
+from policyscan.engine.sources import Lost, _lost, _row_names, _text_type_error, read_chunks
 
 # A unit's rows at most: small enough that a large row group is shared out between devices and that its results
 # wait in the parent's reorder buffer in little memory, large enough that handing it out costs nothing beside it.

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from .errors import PolicyscanError
-from .policy import Policy
-from .runner import EngineSettings
-from .units import Unit
-from .workers_proc import worker_main
+from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.policy import Policy
+from policyscan.engine.runner import EngineSettings
+from policyscan.engine.units import Unit
+from policyscan.engine.workers_proc import worker_main
 
 DEPTH = 2     # units a worker holds: the one it scores and the next, which its reader thread reads meanwhile
 RESTARTS = 2  # times a device's worker is started again after it died (an OOM is often a one-off)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError, PolicyscanError
-from .pipeline import Accounting, FileFailure, StrictStop, _hashes, _prefetch, _score_chunk
-from .rows import PartialFileError
-from .runner import Engine
-from .units import unit_items
+from policyscan.engine.errors import InputError, PolicyscanError
+from policyscan.engine.pipeline import Accounting, FileFailure, StrictStop, _hashes, _prefetch, _score_chunk
+from policyscan.engine.rows import PartialFileError
+from policyscan.engine.runner import Engine
+from policyscan.engine.units import unit_items
 
 KILL_ENV = "POLICYSCAN_TEST_KILL"  # tests only: "2,5*" SIGKILLs the worker starting unit 2 on its first try, 5 on any
 _END = object()  # a unit's last item

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import file_sha256
-from .errors import InputError
-from .pipeline import (Accounting, FileFailure, OutputSpec, StrictStop, _file_failure, _input_record, _repeats,
-                       run_key)
-from .rows import ReadSpec
-from .sinks import ErrorWriter, ScoreWriter, commit_together, meta_path, remove_leftovers
-from .units import UNIT_ROWS, Unit, plan_units
-from .workers import DEPTH, Event, Worker, WorkerPool
-from .workers_proc import Failed, Scored, Stopped
+from policyscan.engine.checkpoint import file_sha256
+from policyscan.engine.errors import InputError
+from policyscan.engine.pipeline import (Accounting, FileFailure, OutputSpec, StrictStop, _file_failure, _input_record,
+                                        _repeats, run_key)
+from policyscan.engine.rows import ReadSpec
+from policyscan.engine.sinks import ErrorWriter, ScoreWriter, commit_together, meta_path, remove_leftovers
+from policyscan.engine.units import UNIT_ROWS, Unit, plan_units
+from policyscan.engine.workers import DEPTH, Event, Worker, WorkerPool
+from policyscan.engine.workers_proc import Failed, Scored, Stopped
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_math import tanh
-from .reference import AttnShape, PrefixKV
+from policyscan.kernels.fast_math import tanh
+from policyscan.kernels.reference import AttnShape, PrefixKV
 
 
 @triton.jit

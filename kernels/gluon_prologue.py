@@ -33,9 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .fast_math import rcp
-from .gluon_hopper import tma_load, tma_store
-from .launch import sm_count, tma_ok
+from policyscan.kernels.fast_math import rcp
+from policyscan.kernels.gluon_hopper import tma_load, tma_store
+from policyscan.kernels.launch import sm_count, tma_ok
 
 # A row block, and one TMA box of x: 64 bf16 columns are 128 bytes, the widest swizzle
 BM, BKS = 64, 64

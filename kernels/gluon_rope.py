@@ -19,7 +19,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .fast_math import bf16_to_f32, to_bf16
+from policyscan.kernels.fast_math import bf16_to_f32, to_bf16
 
 
 @gluon.jit

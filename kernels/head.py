@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_math import tanh
+from policyscan.kernels.fast_math import tanh
 
 
 @triton.jit

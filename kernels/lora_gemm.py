@@ -20,14 +20,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .fast_math import gelu_tanh_mul, silu_mul
-from .launch import sm_count, tma_ok
-from .reference import RopeCols
-from .rope import rope_cols
-from .spans import RankSpans
+from policyscan.kernels.fast_math import gelu_tanh_mul, silu_mul
+from policyscan.kernels.launch import sm_count, tma_ok
+from policyscan.kernels.reference import RopeCols
+from policyscan.kernels.rope import rope_cols
+from policyscan.kernels.spans import RankSpans
 
 try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
-    from . import lora_gemm_ws
+    from policyscan.kernels import lora_gemm_ws
 except (ImportError, AttributeError):  # another Triton: the Triton kernel below takes every call
     lora_gemm_ws = None
 

@@ -30,13 +30,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .fast_math import bf16_to_f32, silu_mul, to_bf16
-from .gluon_hopper import smem_layout, tma_load, tma_store
-from .gluon_expand import expand_tile
-from .gluon_rope import rope_regs
-from .launch import sm_count, tma_ok
-from .reference import RopeCols
-from .spans import RankSpans
+from policyscan.kernels.fast_math import bf16_to_f32, silu_mul, to_bf16
+from policyscan.kernels.gluon_hopper import smem_layout, tma_load, tma_store
+from policyscan.kernels.gluon_expand import expand_tile
+from policyscan.kernels.gluon_rope import rope_regs
+from policyscan.kernels.launch import sm_count, tma_ok
+from policyscan.kernels.reference import RopeCols
+from policyscan.kernels.spans import RankSpans
 
 # 4 stages of 32 KB + two 32 KB output tiles + two B slices: 200 KB of the 227 KB of shared memory
 BM, BN, BK, STAGES = 128, 128, 128, 4

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_math import rcp
+from policyscan.kernels.fast_math import rcp
 
 try:
-    from . import gluon_prologue
+    from policyscan.kernels import gluon_prologue
 except (ImportError, AttributeError):  # another Triton: the Triton kernel below takes every call
     gluon_prologue = None
 
@@ -210,7 +210,8 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     # us, down 190 -> 168, W4's o 49 -> 41 against the adapter loop at 32 rows; the 16-bit path was not measured
     # with it. Quantizing with a norm, since its shrink reads x as loaded, the single-adapter sweep too, in
     # 64-wide chunks 4 stages deep up to rank 32 and 128-wide at 33-64 (W1's 32k batch: gate_up's rank 32 149.0
-    # -> 95.8 us, qkv's 48 156.3 -> 115.9, against the u16 shrink's adapter loop; 64-wide chunks at 48: 150.6). The choice depends on K and R only, never on M (batch invariance).
+    # -> 95.8 us, qkv's 48 156.3 -> 115.9, against the u16 shrink's adapter loop; 64-wide chunks at 48: 150.6).
+    # The choice depends on K and R only, never on M (batch invariance).
     BR = max(16, triton.next_power_of_2(max(R, 1)))
     if interpret:
         cfg = dict(BM=16, BK=32, num_warps=4, ONE_AD=True)

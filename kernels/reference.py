@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from .spans import RankSpans
-from .types import AttnShape, PrefixKV, RopeCols
+from policyscan.kernels.spans import RankSpans
+from policyscan.kernels.types import AttnShape, PrefixKV, RopeCols
 
 __all__ = ["AttnShape", "PrefixKV", "RopeCols"]  # re-exported: the engine imports them from here
 

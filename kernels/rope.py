@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import RopeCols
+from policyscan.kernels.reference import RopeCols
 
 
 @triton.jit
