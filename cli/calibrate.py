@@ -15,7 +15,7 @@ from policyscan.calibration.labels import parse_labels
 from policyscan.calibration.metrics import summary
 from policyscan.calibration.platt import PlattFit, fit_platt
 from policyscan.calibration.plot import reliability_plot, require_matplotlib
-from policyscan.engine.checkpoint import file_sha256
+from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.policy import load_policy
 from policyscan.engine.runner import Engine, EngineSettings

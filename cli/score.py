@@ -9,7 +9,7 @@ import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from policyscan.engine.checkpoint import file_sha256
+from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.pipeline import Accounting, OutputSpec, run_key, score_inputs, up_to_date
 from policyscan.engine.policy import load_policies

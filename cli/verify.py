@@ -12,7 +12,8 @@ import click
 import numpy as np
 import pyarrow.parquet as pq
 
-from policyscan.engine.checkpoint import Checkpoint, file_sha256
+from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.policy import load_policy
 from policyscan.engine.runner import Engine, EngineSettings

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from policyscan.engine.checkpoint import file_sha256
+from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import InputError
 from policyscan.engine.runner import Engine
 from policyscan.engine.sinks import (ErrorWriter, ScoreWriter, commit_together, meta_path, read_metadata,

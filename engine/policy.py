@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from policyscan.engine.checkpoint import file_sha256
+from policyscan.engine.files import file_sha256
 from policyscan.engine.config import PROJECTIONS, ModelConfig
 from policyscan.engine.errors import PolicyError
 

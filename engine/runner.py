@@ -12,7 +12,8 @@ import torch
 
 from policyscan.engine.batch import pack
 from policyscan.engine.batcher import plan_batches
-from policyscan.engine.checkpoint import Checkpoint, in_background
+from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.files import in_background
 from policyscan.engine.config import ModelConfig
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.graphs import GraphedForward

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from policyscan.engine.checkpoint import file_sha256
+from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import InputError
 from policyscan.engine.pipeline import (Accounting, FileFailure, OutputSpec, StrictStop, _file_failure, _input_record,
                                         _repeats, run_key)

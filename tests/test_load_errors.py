@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_fixtures import SPECS, make_model, make_policy
-from policyscan.engine.checkpoint import Checkpoint, in_background
+from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.files import in_background
 from policyscan.engine.errors import CheckpointError, PolicyError
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
