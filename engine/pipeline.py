@@ -147,24 +147,28 @@ class FileFailure:
 
 def _encoded(engine: Engine, inputs: list[Path], spec: ReadSpec) -> Iterator[tuple[Chunk, list] | FileFailure]:
     """Chunks with their valid conversations tokenized (runs in the prefetch thread)."""
-    # No prompt uses more of a conversation than the largest budget; one token more keeps "was it cut" known.
-    keep = max(b.budget for b in engine.builders) + 1
     for path in inputs:
         done = 0
         try:
             for chunk in read_chunks(path, spec, engine.encoder.render):
                 done += len(chunk)
-                valid = [i for i, t in enumerate(chunk.texts) if t is not None]
-                errors, convs = list(chunk.errors), []
-                for i, ids in zip(valid, engine.encoder.encode_batch([chunk.texts[i] for i in valid])):
-                    if ids:
-                        convs.append(np.asarray(ids[-keep:], dtype=np.int32))
-                    else:  # a tokenizer that normalizes a text away: an error row, not a crash of the run
-                        errors[i] = "the conversation encodes to no tokens"
-                # the texts are not needed past here; chunks queue up in the prefetch thread without them
-                yield dataclasses.replace(chunk, texts=[], errors=errors), convs
+                yield encode_chunk(engine, chunk)
         except InputError as e:
             yield FileFailure(path, e, done)
+
+
+def encode_chunk(engine: Engine, chunk: Chunk) -> tuple[Chunk, list[np.ndarray]]:
+    """A chunk's valid conversations tokenized, its texts dropped (chunks queue up without them)."""
+    # No prompt uses more of a conversation than the largest budget; one token more keeps "was it cut" known.
+    keep = max(b.budget for b in engine.builders) + 1
+    valid = [i for i, t in enumerate(chunk.texts) if t is not None]
+    errors, convs = list(chunk.errors), []
+    for i, ids in zip(valid, engine.encoder.encode_batch([chunk.texts[i] for i in valid])):
+        if ids:
+            convs.append(np.asarray(ids[-keep:], dtype=np.int32))
+        else:  # a tokenizer that normalizes a text away: an error row, not a crash of the run
+            errors[i] = "the conversation encodes to no tokens"
+    return dataclasses.replace(chunk, texts=[], errors=errors), convs
 
 
 def _file_failure(ff: FileFailure, err: ErrorWriter, acc: Accounting, strict: bool) -> None:

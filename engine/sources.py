@@ -5,6 +5,7 @@ scored. Parquet is read row group by row group, so a damaged group costs its own
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -31,7 +32,19 @@ def read_chunks(path: Path, spec: ReadSpec, render: Callable[[list], str]) -> It
         raise InputError(f"{path}: unknown format; policyscan reads {', '.join(SUFFIXES)}")
 
 
-def _parquet(path: Path, spec: ReadSpec, render) -> Iterator[Chunk]:
+@dataclass(frozen=True)
+class ParquetLayout:
+    """A Parquet file opened and checked: the conversation column, the id column, the columns read."""
+
+    file: pq.ParquetFile
+    column: str
+    is_messages: bool
+    id_column: str | None
+    type_error: str | None  # why the text column holds no strings (every row an error), or None
+    wanted: tuple[str, ...]
+
+
+def parquet_layout(path: Path, spec: ReadSpec) -> ParquetLayout:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:
@@ -43,35 +56,42 @@ def _parquet(path: Path, spec: ReadSpec, render) -> Iterator[Chunk]:
         if c not in schema.names:
             raise InputError(f"{path}: no column {c!r}; it has {schema.names}")
     type_error = None if is_messages else _text_type_error(schema.field(col).type, col)
-    wanted = list(dict.fromkeys([col] + ([id_col] if id_col else []) + list(spec.keep)))
+    wanted = tuple(dict.fromkeys([col] + ([id_col] if id_col else []) + list(spec.keep)))
+    return ParquetLayout(pf, col, is_messages, id_col, type_error, wanted)
+
+
+def layout_chunk(path: Path, row: int, batches: list[pa.RecordBatch], lay: ParquetLayout, spec: ReadSpec,
+                 render) -> Chunk:
+    """The rows of `batches`, from file row `row` on, as a Chunk (the workers' units build theirs so too)."""
+    table = pa.Table.from_batches(batches)
+    values = table.column(lay.column).to_pylist()
+    pairs = [(None, lay.type_error) if lay.type_error else conversation(v, lay.is_messages, render) for v in values]
+    texts = [t for t, _ in pairs]
+    ids = table.column(lay.id_column).combine_chunks() if lay.id_column else _row_names(path, row, len(values))
+    keep = {k: table.column(k).combine_chunks() for k in spec.keep}
+    return Chunk(str(path), row, ids, texts, [e for _, e in pairs], None, keep, clip(texts, spec.max_chars))
+
+
+def _parquet(path: Path, spec: ReadSpec, render) -> Iterator[Chunk]:
+    lay = parquet_layout(path, spec)
     pending: list[pa.RecordBatch] = []
     row = 0
-
-    def chunk() -> Chunk:
-        table = pa.Table.from_batches(pending)
-        values = table.column(col).to_pylist()
-        pairs = [(None, type_error) if type_error else conversation(v, is_messages, render) for v in values]
-        texts = [t for t, _ in pairs]
-        ids = table.column(id_col).combine_chunks() if id_col else _row_names(path, row, len(values))
-        keep = {k: table.column(k).combine_chunks() for k in spec.keep}
-        pending.clear()
-        return Chunk(str(path), row, ids, texts, [e for _, e in pairs], None, keep, clip(texts, spec.max_chars))
-
-    for item in _batches(path, pf, wanted, spec.chunk_rows):
+    for item in _batches(path, lay.file, list(lay.wanted), spec.chunk_rows):
         if isinstance(item, pa.RecordBatch):
             pending.append(item)
             if sum(b.num_rows for b in pending) < spec.chunk_rows:
                 continue
         if pending:
-            c = chunk()
+            c = layout_chunk(path, row, pending, lay, spec, render)
+            pending.clear()
             row += len(c)
             yield c
         if not isinstance(item, pa.RecordBatch):
-            c = _lost(path, row, *item, schema, id_col, spec.keep)
+            c = _lost(path, row, *item, lay.file.schema_arrow, lay.id_column, spec.keep)
             row += len(c)
             yield c
     if pending:
-        yield chunk()
+        yield layout_chunk(path, row, pending, lay, spec, render)
 
 
 def _batches(path: Path, pf: pq.ParquetFile, wanted: list[str], size: int) -> Iterator[pa.RecordBatch | Lost]:
