@@ -17,8 +17,11 @@ GPU_ATTN_SHAPES = [reference.AttnShape(24, 8, 128), reference.AttnShape(32, 8, 6
 
 
 def gen(seed=None) -> torch.Generator:
-    """A generator seeded fresh each time (fresh random inputs), or with `seed`."""
-    return torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    """A generator seeded fresh each time (fresh random inputs), or with `seed`; the seed is printed (pytest
+    shows it with a failure), so gen(seed) replays the draw."""
+    seed = seed if seed is not None else torch.seed() % 2**31
+    print(f"torch generator seed {seed}")
+    return torch.Generator().manual_seed(seed)
 
 
 def adapters_for(rows: int, n: int, g: torch.Generator, device) -> torch.Tensor:

@@ -19,12 +19,19 @@ from policyscan.cli.main import cli
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 
 
+def _rng() -> np.random.Generator:
+    """Fresh random data each run, its seed printed (shown with a failure) so the draw can be replayed."""
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    print(f"numpy seed {seed}")
+    return np.random.default_rng(seed)
+
+
 @pytest.mark.parametrize("sep", [0.0, 0.7, 3.0, 12.0])  # random, overlapping, separable-ish, separated
 @pytest.mark.parametrize("n", [7, 200, 3000])
 def test_platt_agrees_with_sklearn(sep, n):
     from sklearn.calibration import _sigmoid_calibration
 
-    rng = np.random.default_rng()
+    rng = _rng()
     y = rng.random(n) < 0.3
     y[:2] = [True, False]
     f = rng.normal(size=n) * rng.uniform(0.5, 3) + sep * y + rng.normal()
@@ -56,7 +63,7 @@ def test_platt_needs_both_classes():
 def test_metrics_against_sklearn():
     from sklearn.metrics import brier_score_loss, log_loss as sk_log_loss, roc_auc_score
 
-    rng = np.random.default_rng()
+    rng = _rng()
     y = rng.random(500) < 0.4
     p = np.clip(rng.random(500) * 0.6 + 0.4 * y, 0, 1)
     p[:20] = np.round(p[:20], 1)  # ties
@@ -74,32 +81,35 @@ def test_labels():
     assert [i for i, _ in bad] == [6, 7, 8]
 
 
-def test_calibrate_cli_dry_run_then_write(tmp_path):
+def test_calibrate_cli_dry_run_then_write(tmp_path, sample_slice):
+    """On the first 80 labeled rows (conftest.py): enough of each class to fit, a fifth of the scoring."""
+    labeled = sample_slice["labeled"]
     bundle = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
     before = (bundle / "policy.json").read_text()
-    res = CliRunner().invoke(cli, ["calibrate", str(SAMPLE / "labeled.parquet"), "--policy", str(bundle),
+    res = CliRunner().invoke(cli, ["calibrate", str(labeled), "--policy", str(bundle),
                                    "--label-column", "pii", "--dry-run", "--plot", str(tmp_path / "r.png")])
     assert res.exit_code == 0, res.output
     assert "roc_auc" in res.output and (tmp_path / "r.png").stat().st_size > 1000
     assert (bundle / "policy.json").read_text() == before
-    res = CliRunner().invoke(cli, ["calibrate", str(SAMPLE / "labeled.parquet"), "--policy", str(bundle),
+    res = CliRunner().invoke(cli, ["calibrate", str(labeled), "--policy", str(bundle),
                                    "--label-column", "pii"])
     assert res.exit_code == 0, res.output
     cal = json.loads((bundle / "policy.json").read_text())["calibration"]
     assert {"a", "b", "data_sha256", "rows", "date", "metrics_after"} <= set(cal)
-    assert cal["rows"] == pq.read_table(SAMPLE / "labeled.parquet").num_rows
+    assert cal["rows"] == pq.read_table(labeled).num_rows
 
 
-def test_calibrate_from_scores_matches_scoring(tmp_path):
+def test_calibrate_from_scores_matches_scoring(tmp_path, sample_slice):
+    labeled = sample_slice["labeled"]
     bundle = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
     scores = tmp_path / "s.parquet"
-    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "labeled.parquet"), "--policies", str(bundle),
+    res = CliRunner().invoke(cli, ["score", str(labeled), "--policies", str(bundle),
                                    "--raw", "--keep", "pii", "-o", str(scores), "--no-progress"])
     assert res.exit_code == 0, res.output
     t = pq.read_table(scores)
     pq.write_table(t.rename_columns([c if c != "pii" else "label" for c in t.column_names]), scores)
     a = CliRunner().invoke(cli, ["calibrate", str(scores), "--policy", str(bundle), "--from-scores", "--dry-run"])
-    b = CliRunner().invoke(cli, ["calibrate", str(SAMPLE / "labeled.parquet"), "--policy", str(bundle),
+    b = CliRunner().invoke(cli, ["calibrate", str(labeled), "--policy", str(bundle),
                                  "--label-column", "pii", "--dry-run"])
     assert a.exit_code == b.exit_code == 0, a.output + b.output
     assert a.output.splitlines()[0] == b.output.splitlines()[0]  # same a, b from either route
@@ -117,10 +127,10 @@ def test_calibrate_reports_bad_labels(tmp_path):
     assert "1 rows have no usable label" in res.output and "row 3" in res.output
 
 
-def test_calibrate_from_long_layout_scores(tmp_path):
+def test_calibrate_from_long_layout_scores(tmp_path, sample_slice):
     bundle = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
     scores = tmp_path / "s.jsonl"
-    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "labeled.parquet"), "--policies", str(bundle), "--raw",
+    res = CliRunner().invoke(cli, ["score", str(sample_slice["labeled"]), "--policies", str(bundle), "--raw",
                                    "--keep", "pii", "--layout", "long", "--format", "jsonl", "-o", str(scores),
                                    "--no-progress"])
     assert res.exit_code == 0, res.output

@@ -1,5 +1,7 @@
 """policyscan score / inspect / quantize / verify as a user runs them, on the bundled sample model and policies:
-outputs, layouts, resuming, reproducibility. What goes wrong is in test_cli_failures.py."""
+outputs, layouts, resuming, reproducibility. What goes wrong is in test_cli_failures.py.
+
+Scoring tests read `sample_slice` (conftest.py): the sample's first 40 conversations, as Parquet and JSONL."""
 from __future__ import annotations
 
 import json
@@ -17,20 +19,21 @@ from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.sinks import read_metadata
 
 
-def test_sample_parquet_wide_with_metadata(tmp_path):
+def test_sample_parquet_wide_with_metadata(tmp_path, sample_slice):
     out = tmp_path / "s.parquet"
-    res = run("score", SAMPLE / "conversations.parquet", "-o", out, "--raw", "--no-progress")
+    n = sample_slice["rows"]
+    res = run("score", sample_slice["parquet"], "-o", out, "--raw", "--no-progress")
     t = pq.read_table(out)
     assert t.column_names == ["id", "p_investment_advice", "p_pii", "f_investment_advice", "f_pii"]
-    src = pq.read_table(SAMPLE / "conversations.parquet")
+    src = pq.read_table(sample_slice["parquet"])
     assert t.column("id").to_pylist() == src.column("id").to_pylist()  # input order
     meta = read_metadata(out)
     acc = meta["accounting"]
-    assert acc["rows_in"] == acc["rows_scored"] == 200 and acc["balanced"]
+    assert acc["rows_in"] == acc["rows_scored"] == n and acc["balanced"]
     assert {p["name"] for p in meta["policies"]} == {"pii", "investment_advice"}
     assert meta["model"]["sha256"] == Checkpoint.open(SAMPLE / "model").fingerprint()  # hashed in a thread
     assert meta["inputs"][0]["sha256"]
-    assert "rows in 200 = scored 200 + in errors 0 (balanced)" in res.output
+    assert f"rows in {n} = scored {n} + in errors 0 (balanced)" in res.output
     # the scoring window's parts: what waited for the reader and what the writing took, within the whole
     assert 0 <= acc["input_wait_seconds"] + acc["output_seconds"] <= acc["seconds"]
     assert re.search(r"in [\d.]+ s \([\d,]+ tokens/s; waiting for input [\d.]+ s, writing [\d.]+ s\)", res.output)
@@ -39,11 +42,11 @@ def test_sample_parquet_wide_with_metadata(tmp_path):
     assert not (tmp_path / "s.parquet.errors.jsonl").exists()
 
 
-def test_no_cuda_graphs_is_recorded_and_scores_the_same(tmp_path):
+def test_no_cuda_graphs_is_recorded_and_scores_the_same(tmp_path, sample_slice):
     """The escape hatch: accepted everywhere (the CPU has no graphs), recorded, same numbers."""
     a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
-    run("score", SAMPLE / "conversations.parquet", "-o", a, "--raw", "--no-progress", "--max-length", "256")
-    run("score", SAMPLE / "conversations.parquet", "-o", b, "--raw", "--no-progress", "--max-length", "256",
+    run("score", sample_slice["parquet"], "-o", a, "--raw", "--no-progress", "--max-length", "256")
+    run("score", sample_slice["parquet"], "-o", b, "--raw", "--no-progress", "--max-length", "256",
         "--no-cuda-graphs")
     assert read_metadata(b)["settings"]["cuda_graphs"] is False
     assert pq.read_table(a).equals(pq.read_table(b))
@@ -119,16 +122,16 @@ def test_output_dir_scores_a_new_output_before_the_model_hash(tmp_path, monkeypa
     assert "up to date" in run("score", arch, "-o", outdir, "--no-progress").output
 
 
-def test_inspect_and_quantize(tmp_path):
+def test_inspect_and_quantize(tmp_path, sample_slice):
     out = tmp_path / "s.parquet"
-    run("score", SAMPLE / "conversations.parquet", "-o", out, "--no-progress")
+    run("score", sample_slice["parquet"], "-o", out, "--no-progress")
     assert json.loads(run("inspect", out).output)["accounting"]["balanced"] is True
     assert json.loads(run("inspect", SAMPLE / "policies" / "pii").output)["policy"] == "pii"
     assert json.loads(run("inspect", SAMPLE / "conversations.parquet").output)["rows"] == 200
     q = tmp_path / "fp8"
     run("quantize", SAMPLE / "model", q)
     assert json.loads(run("inspect", q).output)["fp8"] is True
-    res = run("score", SAMPLE / "conversations.parquet", "-o", tmp_path / "q.parquet", "--model", q, "--no-progress")
+    res = run("score", sample_slice["parquet"], "-o", tmp_path / "q.parquet", "--model", q, "--no-progress")
     assert "fp8" in res.output
     a = pq.read_table(out).column("p_pii").to_numpy()
     b = pq.read_table(tmp_path / "q.parquet").column("p_pii").to_numpy()
@@ -136,14 +139,14 @@ def test_inspect_and_quantize(tmp_path):
     shutil.rmtree(q)
 
 
-def test_reproducible_and_order_independent(tmp_path):
+def test_reproducible_and_order_independent(tmp_path, sample_slice):
     """The same file twice, rows shuffled, other batch sizes: bitwise the same p per id; verify agrees."""
-    t = pq.read_table(SAMPLE / "conversations.parquet")
+    t = pq.read_table(sample_slice["parquet"])
     shuffled = tmp_path / "shuffled.parquet"
     pq.write_table(t.take(list(reversed(range(t.num_rows)))), shuffled)
     outs = []
-    for i, (src, extra) in enumerate([(SAMPLE / "conversations.parquet", []),
-                                      (SAMPLE / "conversations.parquet", []),
+    for i, (src, extra) in enumerate([(sample_slice["parquet"], []),
+                                      (sample_slice["parquet"], []),
                                       (shuffled, ["--batch-tokens", "2048"])]):
         out = tmp_path / f"o{i}.parquet"
         run("score", src, "-o", out, "--no-progress", *extra)
@@ -153,9 +156,9 @@ def test_reproducible_and_order_independent(tmp_path):
     assert "all reproduced bit for bit" in res.output
 
 
-def test_verify_reports_a_changed_row(tmp_path):
+def test_verify_reports_a_changed_row(tmp_path, sample_slice):
     out = tmp_path / "o.parquet"
-    run("score", SAMPLE / "conversations.jsonl", "-o", out, "--no-progress")
+    run("score", sample_slice["jsonl"], "-o", out, "--no-progress")
     t = pq.read_table(out)
     kv = pq.ParquetFile(out).metadata.metadata
     p = t.column("p_pii").to_pylist()
@@ -170,7 +173,7 @@ def test_verify_reports_a_changed_row(tmp_path):
     assert res.exit_code == 4 and "1 differ" in res.output
 
 
-def test_many_chunks_and_two_inputs_into_one_output(tmp_path):
+def test_many_chunks_and_two_inputs_into_one_output(tmp_path, sample_slice):
     """Chunked reading and writing keep every row, in order, across chunks and files."""
     from policyscan.engine.pipeline import OutputSpec, score_inputs
     from policyscan.engine.policy import load_policies
@@ -179,19 +182,20 @@ def test_many_chunks_and_two_inputs_into_one_output(tmp_path):
 
     engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", batch_tokens=4096))
     out = tmp_path / "o.parquet"
-    acc = score_inputs(engine, [SAMPLE / "conversations.parquet", SAMPLE / "conversations.jsonl"], out,
+    n = sample_slice["rows"]  # 40 rows a file: chunks of 7 end mid-file and a file's last chunk is short
+    acc = score_inputs(engine, [sample_slice["parquet"], sample_slice["jsonl"]], out,
                        tmp_path / "e.jsonl", ReadSpec(chunk_rows=7), OutputSpec())
     ids = pq.read_table(out).column("id").to_pylist()
-    src = pq.read_table(SAMPLE / "conversations.parquet").column("id").to_pylist()
-    assert acc.balanced and acc.rows_scored == 400 and ids == src + src
+    src = pq.read_table(sample_slice["parquet"]).column("id").to_pylist()
+    assert acc.balanced and acc.rows_scored == 2 * n and ids == src + src
     whole = tmp_path / "w.parquet"
-    score_inputs(engine, [SAMPLE / "conversations.parquet"], whole, tmp_path / "e2.jsonl", ReadSpec(), OutputSpec())
-    assert pq.read_table(whole).to_pylist() == pq.read_table(out).slice(0, 200).to_pylist()
+    score_inputs(engine, [sample_slice["parquet"]], whole, tmp_path / "e2.jsonl", ReadSpec(), OutputSpec())
+    assert pq.read_table(whole).to_pylist() == pq.read_table(out).slice(0, n).to_pylist()
 
 
-def test_progress_bar_on_a_terminal(tmp_path, monkeypatch):
+def test_progress_bar_on_a_terminal(tmp_path, monkeypatch, sample_slice):
     from policyscan.cli import score as score_cmd
 
     monkeypatch.setattr(score_cmd, "_is_terminal", lambda: True)
-    res = run("score", SAMPLE / "conversations.jsonl", "-o", tmp_path / "o.parquet")
-    assert "200 rows" in res.output and "tok/s" in res.output
+    res = run("score", sample_slice["jsonl"], "-o", tmp_path / "o.parquet")
+    assert f"{sample_slice['rows']} rows" in res.output and "tok/s" in res.output

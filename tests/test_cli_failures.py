@@ -70,7 +70,8 @@ def test_wrong_adapter_for_the_model(tmp_path):
     make_policy(other, tmp_path / "foreign", "foreign", SPECS[0], seed=0)
     res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--policies",
                                    str(tmp_path / "foreign"), "--no-progress"])
-    assert res.exit_code == 1 and "label '<3>'" in res.output  # labels are checked against the tokenizer first
+    # labels are checked against the tokenizer first: '<3>' and '<7>' both start with '<' in the sample's
+    assert res.exit_code == 1 and "labels '<3>'" in res.output and "start with the same token" in res.output
 
 
 def test_a_text_the_tokenizer_drops_is_an_error_row(tmp_path):
@@ -102,18 +103,16 @@ def test_sigterm_leaves_no_partial_file_and_a_rerun_resumes(tmp_path):
 
     arch = tmp_path / "archive"
     arch.mkdir()
-    shutil.copy(SAMPLE / "conversations.parquet", arch / "day1.parquet")
-    with open(arch / "day2.jsonl", "w") as f:  # big enough to still be running when the signal comes
-        line = (SAMPLE / "conversations.jsonl").read_text()
-        for _ in range(8):
-            f.write(line)
+    pq.write_table(pq.read_table(SAMPLE / "conversations.parquet").slice(0, 10), arch / "day1.parquet")
+    # day2 is scored right after day1's output appears: the signal comes while it runs (its 200 rows take
+    # over a second on an idle machine; the poll below sees day1's output within 20 ms)
+    shutil.copy(SAMPLE / "conversations.jsonl", arch / "day2.jsonl")
     out = tmp_path / "scores"
     cmd = [sys.executable, "-m", "policyscan.cli.main", "score", str(arch), "-o", f"{out}/", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
-    while not (out / "day1.scores.parquet").exists() and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)
+    while not (out / "day1.scores.parquet").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, log
@@ -121,7 +120,7 @@ def test_sigterm_leaves_no_partial_file_and_a_rerun_resumes(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "day1.parquet: up to date" in res.stderr and "day2.scores.parquet" in res.stderr
-    assert pq.read_table(out / "day2.scores.parquet").num_rows == 1600
+    assert pq.read_table(out / "day2.scores.parquet").num_rows == 200
 
 
 def test_engine_setting_errors_are_for_people():

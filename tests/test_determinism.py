@@ -44,17 +44,26 @@ def texts(n: int, repeats: int = 23) -> pa.Table:
     return pa.table({"id": [f"c{i}" for i in range(n)], "text": out})
 
 
-def score_in_processes(tmp: Path, model: Path, policies: Path, src: Path, args: list[str], n: int = 3
-                       ) -> list[pa.Table]:
-    tables = []
+def score_in_processes(tmp: Path, model: Path, policies: Path, src: Path, args: list[str], n: int = 3,
+                       together: bool = False) -> list[pa.Table]:
+    """n separate `policyscan score` processes, one after another, or (together) all at once: then they also
+    contend with each other for the cores, which must not move a bit either."""
+    cmds = []
     for i in range(n):
         out = tmp / f"run{i}.parquet"
-        cmd = [sys.executable, "-c", "from policyscan.cli.main import main; main()", "score", str(src),
-               "-o", str(out), "--model", str(model), "--policies", str(policies), "--raw", "--no-progress", *args]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        assert res.returncode == 0, res.stdout + res.stderr
-        tables.append(pq.read_table(out))
-    return tables
+        cmds.append([sys.executable, "-c", "from policyscan.cli.main import main; main()", "score", str(src),
+                     "-o", str(out), "--model", str(model), "--policies", str(policies), "--raw", "--no-progress",
+                     *args])
+    if together:
+        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+        for proc in procs:
+            log, _ = proc.communicate(timeout=900)
+            assert proc.returncode == 0, log
+    else:
+        for cmd in cmds:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            assert res.returncode == 0, res.stdout + res.stderr
+    return [pq.read_table(tmp / f"run{i}.parquet") for i in range(n)]
 
 
 def assert_same_bits(tables: list[pa.Table]) -> None:
@@ -113,13 +122,21 @@ def test_gpu_f_does_not_depend_on_batch_tokens_or_graphs(tmp_path, precision):
             f"{key}: {int((f != base).sum())} of {f.size} differ from budget 65536 with graphs"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_cpu_scores_are_bitwise_equal_across_processes(tmp_path, precision):
-    model, policies = bundle(tmp_path, 12, **dict(DEEP, num_hidden_layers=3, intermediate_size=352,
-                                                  hidden_size=128))
-    src = tmp_path / "logs.parquet"
+@pytest.fixture(scope="module")
+def cpu_bundle(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """One small model, 12 policies and a 10-row log for both CPU precisions (written once)."""
+    root = tmp_path_factory.mktemp("cpu_bundle")
+    model, policies = bundle(root, 12, **dict(DEEP, num_hidden_layers=3, intermediate_size=352, hidden_size=128))
+    src = root / "logs.parquet"
     pq.write_table(texts(10, repeats=4), src)
+    return model, policies, src
+
+
+@pytest.mark.slow  # three real processes, each importing torch and loading the model: ~6 s on an idle 2-core machine
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cpu_scores_are_bitwise_equal_across_processes(tmp_path, cpu_bundle, precision):
+    model, policies, src = cpu_bundle
     tables = score_in_processes(tmp_path, model, policies, src, ["--device", "cpu", "--precision", precision,
-                                                                  "--batch-tokens", "3000"])
+                                                                  "--batch-tokens", "3000"], together=True)
     assert_same_bits(tables)
     assert read_metadata(tmp_path / "run0.parquet")["accounting"]["rows_scored"] == 10

@@ -102,6 +102,7 @@ def test_fp8_weights_requested_on_plain_checkpoint(tmp_path):
     assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # the whole decoder in Triton's interpreter, twice: ~12 s an arch on an idle 2-core machine
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_triton_kernel_set_runs_the_decoder(tmp_path, arch):
     """The whole decoder on the Triton kernels (interpreted, fp32) agrees with the torch twins: catches a

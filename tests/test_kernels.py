@@ -39,6 +39,7 @@ def variants(device):
     return [(torch.bfloat16, False), (torch.bfloat16, True)]
 
 
+@pytest.mark.slow  # in the interpreter: 5 shapes x 2 precisions x 3 feeds, ~6 s an epilogue on an idle 2-core machine
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("residual,bias,silu", [(False, False, False), (True, False, False), (False, True, False),
                                                 (False, False, True), (False, True, True)])
