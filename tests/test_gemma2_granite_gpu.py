@@ -1,11 +1,11 @@
-"""gemma2 and granite on the GPU kernels (bf16 and FP8 W8A8): the bounds of test_gpu_engine.py, and batch
-invariance."""
+"""gemma2 and granite on the GPU kernels (bf16 and FP8 W8A8): batch invariance (their bounds against HF are
+test_gpu_engine.py's, where both are among the architectures)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_fixtures import hf_scores, make_bundle
+from hf_fixtures import make_bundle
 from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
@@ -19,33 +19,6 @@ def decoder(model_dir, dirs, ops, device, dtype, fp8=False, w8a8=False):
     dec = load_decoder(Checkpoint.open(model_dir), ops, device, dtype, fp8=fp8, w8a8=w8a8)
     attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
     return dec
-
-
-@pytest.mark.parametrize("arch", ["gemma2", "granite"])
-def test_gpu_engine_matches_reference_and_hf(tmp_path, arch):
-    from policyscan.kernels import reference, triton_ops
-
-    dirs = make_bundle(tmp_path, arch)
-    g = torch.Generator().manual_seed(7)
-    lengths = [1, 5, 17, 3, 40, 9, 2, 70, 33]  # gemma2's fixture window is 9
-    seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in lengths]
-    ads = sorted([i % 3 for i in range(len(seqs))])
-    batch = pack(seqs, ads)
-    exact = hf_scores(tmp_path / "model", dirs, seqs, ads, LABELS, torch.float64)
-    hf16 = hf_scores(tmp_path / "model", dirs, seqs, ads, LABELS, torch.bfloat16)
-    cpu = decoder(tmp_path / "model", dirs, reference, "cpu", torch.float32).forward(batch).double()
-    bf16 = decoder(tmp_path / "model", dirs, triton_ops, "cuda", torch.bfloat16).forward(batch.to("cuda"))
-    bf16 = bf16.double().cpu()
-    fp8 = decoder(tmp_path / "model", dirs, triton_ops, "cuda", torch.bfloat16, True, True).forward(
-        batch.to("cuda")).double().cpu()
-    twin = decoder(tmp_path / "model", dirs, reference, "cpu", torch.bfloat16, True, True).forward(batch).double()
-    for name, (a, b) in {"cpu fp32": (cpu, exact), "gpu bf16": (bf16, exact), "HF bf16": (hf16, exact),
-                         "gpu fp8": (fp8, exact), "cpu W8A8 twin": (twin, exact)}.items():
-        d = (torch.sigmoid(a) - torch.sigmoid(b)).abs()
-        print(f"{arch} {name} vs HF fp64: max |dp| {d.max():.2e}, mean {d.mean():.2e}")
-    assert (cpu - exact).abs().max() <= 1e-4
-    assert (bf16 - exact).abs().max() <= 2 * (hf16 - exact).abs().max()
-    assert (fp8 - exact).abs().max() <= 2 * (twin - exact).abs().max() + (hf16 - exact).abs().max()
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "granite"])

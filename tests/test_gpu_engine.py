@@ -20,7 +20,7 @@ def decoder(model_dir, dirs, ops, device, dtype, fp8=False, w8a8=False):
     return dec
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama-wide"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama-wide", "gemma2", "granite"])
 def test_gpu_engine_matches_reference_and_hf(tmp_path, arch):
     """llama-wide: WIDE_SPECS' adapters, whose stacks pass rank 64 (qkv 128)."""
     from policyscan.kernels import reference, triton_ops
