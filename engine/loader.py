@@ -51,8 +51,10 @@ def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str =
             w = interleave_halves(w).contiguous()
             scale = interleave_halves(scale).contiguous() if scale is not None else None
         bias = None
-        if cfg.qkv_bias and projs == GROUPS["qkv"]:
-            bias = torch.cat([get(weight_name(layer, p) + ".bias").float() for p in projs])
+        names = [weight_name(layer, p) + ".bias" for p in projs]
+        # attention_bias puts one on o_proj too (Llama, Qwen3): a bias the checkpoint holds is never dropped
+        if (cfg.qkv_bias and projs == GROUPS["qkv"]) or (projs == GROUPS["o"] and names[0] in ckpt.files):
+            bias = torch.cat([get(n).float() for n in names]) * _branch_scale(cfg, projs)
         if scale is not None:
             return Fp8LoraLinear(w, scale, bias, prologue, ops, silu_out, cfg.gemma)
         return DenseLoraLinear(w, bias, prologue, ops, silu_out, cfg.gemma)

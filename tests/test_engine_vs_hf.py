@@ -120,3 +120,14 @@ def test_triton_kernel_set_runs_the_decoder(tmp_path, arch):
         cached = dec.forward(pack(seqs, ADAPTERS), prefix=cache)
         out[name] = torch.stack([plain, cached])
     assert (out["triton"] - out["reference"]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_attention_bias_on_every_projection_matches_hf(tmp_path, arch):
+    """attention_bias: true puts a bias on q, k, v and o; none of them is dropped."""
+    dirs = make_bundle(tmp_path, arch, "pol", 10, attention_bias=True)
+    g = torch.Generator().manual_seed(zlib.crc32(f"bias{arch}".encode()))
+    seqs = [torch.randint(0, 211, (n,), generator=g).tolist() for n in LENGTHS]
+    ours = engine_f(tmp_path / "model", dirs, seqs)
+    ref = hf_scores(tmp_path / "model", dirs, seqs, ADAPTERS, LABELS, torch.float32)
+    assert (ours - ref).abs().max().item() <= 1e-4
