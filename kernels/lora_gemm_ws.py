@@ -100,7 +100,6 @@ def _consume(args, flags, ROLE: gl.constexpr):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    BR: gl.constexpr = l_bufs.type.shape[2]
     S: gl.constexpr = a_bufs.type.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     # the expand's bf16 MMA (k = 16 per instruction); the accumulator's registers are laid out the same
