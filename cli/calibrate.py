@@ -12,6 +12,7 @@ import click
 import numpy as np
 
 from policyscan.calibration.labels import parse_labels
+from policyscan.calibration.precision_check import fp8_check
 from policyscan.calibration.metrics import summary
 from policyscan.calibration.platt import PlattFit, fit_platt
 from policyscan.calibration.plot import reliability_plot, require_matplotlib
@@ -71,7 +72,7 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
                                   chat_template=template, threads=threads)
         engine = Engine(model_dir, [policy], settings)
-        ids, f, raw_labels, label_col = _score(engine, files, spec, label_column)
+        ids, f, raw_labels, label_col, convs = _score(engine, files, spec, label_column)
     y, bad = parse_labels(raw_labels, policy.compliant, policy.violation)
     if bad:
         click.echo(f"{len(bad)} rows have no usable label and are left out, e.g. row {bad[0][0]}: {bad[0][1]}",
@@ -98,6 +99,12 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
                          {f"before (a={policy.a:.3g}, b={policy.b:.3g})": (current(f[report]), y[report]),
                           "after Platt": (fit(f[report]), y[report])})
         click.echo(f"wrote {plot}")
+    check = None
+    if not from_scores:  # what `--precision auto` reads: how far FP8 is from bf16 on these rows, with the new fit
+        check = fp8_check(model_dir, policy, settings, convs, fit.a, fit.b)
+        click.echo(f"FP8 against bf16 on these {check['rows']} rows ({check['device']}): "
+                   f"{check['flip_share']:.1%} of verdicts flip at threshold {policy.threshold}, "
+                   f"max |dp| {check['max_dp']:.3g}")
     if dry_run:
         click.echo("--dry-run: policy.json left unchanged")
         return
@@ -109,6 +116,7 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         "label_column": label_col, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "metrics_before": before, "metrics_after": after, "from_scores": from_scores,
         "replaced": {"a": policy.a, "b": policy.b},  # the calibration "before" was measured with
+        **({"fp8_check": check} if check else {}),
     })
     click.echo(f"updated {Path(policy_dir) / 'policy.json'}")
 
@@ -159,7 +167,7 @@ def _score(engine: Engine, files: list[Path], spec: ReadSpec, label_column: str 
         if not len(c):  # a tokenizer that normalizes a text away: every labeled row must be scored
             raise InputError(f"{path}, row {row}: the conversation encodes to no tokens; fix the labeled data")
     f, _, _ = engine.score_conversations(convs)
-    return ids, f[:, 0].astype(np.float64), labels, col
+    return ids, f[:, 0].astype(np.float64), labels, col, convs
 
 
 def _label_guess(path: Path, spec: ReadSpec, policy_name: str) -> str:

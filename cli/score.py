@@ -184,6 +184,8 @@ def _summary(engine: Engine | WorkerPool, acc: Accounting) -> None:
                  f"truncated prompts {acc.truncated_prompts}")
     if isinstance(engine, Engine):
         lines.append(_time_split(engine, acc))
+        if engine.precision_reason:
+            lines.append(f"precision {engine.precision}, not FP8 (--precision auto): {engine.precision_reason}")
     elif engine.deaths:
         lines.append(f"worker processes that died ({len(engine.deaths)}; their units went to the others): "
                      + "; ".join(engine.deaths))

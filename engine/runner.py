@@ -43,13 +43,17 @@ class EngineSettings:
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
     cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/graphs.py)
     chat_template: str | None = None  # --chat-template; None: the policies' chat_template, else the model's
-    threads: int | None = None  # CPU path only (reference.set_threads); None: default_threads(); f is the same
+    threads: int | None = None
+    # --precision auto runs bf16 when FP8 flipped more than this share of a policy's labeled verdicts
+    fp8_flip_limit: float = 0.01  # CPU path only (reference.set_threads); None: default_threads(); f is the same
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise PolicyscanError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise PolicyscanError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 0 <= self.fp8_flip_limit <= 1:
+            raise PolicyscanError(f"the FP8 flip limit is a share in [0, 1], got {self.fp8_flip_limit}")
         if self.threads is not None and self.threads < 1:
             raise PolicyscanError(f"--threads must be at least 1, got {self.threads}")
         if self.max_length < 2:
@@ -64,6 +68,21 @@ def default_threads() -> int:
     scoring took 14.9-15.1 s on 1 thread, 15.9-17.1 s on 2: the pool's idle threads sleep, where OpenMP's spun
     and collapsed). f is bitwise the same for any count (tests/test_cpu_threads.py)."""
     return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4))
+
+
+def choose_precision(requested: str, gpu: bool, policies: list[Policy], limit: float) -> tuple[str, str | None]:
+    """(precision, why auto did not take FP8 on a GPU, or None). auto: FP8 on a GPU unless a policy's recorded
+    FP8 check (calibrate) flipped more than `limit` of its labeled verdicts, then bf16; fp32 on the CPU."""
+    if requested != "auto":
+        return requested, None
+    if not gpu:
+        return "fp32", None
+    over = [(p.name, c["flip_share"]) for p in policies
+            if (c := p.calibration.get("fp8_check") or {}).get("flip_share", 0.0) > limit]
+    if not over:
+        return "fp8", None
+    return "bf16", ("FP8 flipped " + ", ".join(f"{s:.1%} of {n}'s labeled verdicts" for n, s in over)
+                    + f" (calibrate's check; limit {limit:.0%})")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,7 +106,8 @@ class Engine:
         if not gpu:
             from policyscan.kernels import reference
             reference.set_threads(settings.threads or default_threads())
-        self.precision = settings.precision if settings.precision != "auto" else ("fp8" if gpu else "fp32")
+        self.precision, self.precision_reason = choose_precision(settings.precision, gpu, policies,
+                                                                 settings.fp8_flip_limit)
         self.checkpoint = Checkpoint.open(model_dir)
         _check_offsets(self.checkpoint.config, settings.batch_tokens)
         if self.checkpoint.fp8 and self.precision != "fp8":
@@ -167,7 +187,8 @@ class Engine:
             "policyscan_version": version(), "torch_version": torch.__version__,
             "model": {"path": str(self.checkpoint.model_dir.resolve()), "sha256": self.model_sha256,
                       "arch": self.checkpoint.config.arch, "fp8_checkpoint": self.checkpoint.fp8},
-            "device": str(self.device), "precision": self.precision, "tokenizer_backend": self.encoder.backend,
+            "device": str(self.device), "precision": self.precision, "precision_reason": self.precision_reason,
+            "tokenizer_backend": self.encoder.backend,
             "chat_template": self.encoder.describe_template(),
             # GPU results are reproducible bitwise only on the same GPU, CUDA and Triton (the kernels' code)
             **({"gpu": torch.cuda.get_device_name(self.device), "cuda_version": torch.version.cuda,
@@ -176,7 +197,8 @@ class Engine:
             "policies": [{"name": p.name, "path": str(p.path.resolve()), "adapter_sha256": p.adapter_sha256,
                           "labels": [p.compliant, p.violation], "verdict_token_ids": list(self.encoder.verdict_ids(p)),
                           "prefix": p.prefix, "suffix": p.suffix,
-                          "calibration": {**p.calibration, "a": p.a, "b": p.b}, "threshold": p.threshold}
+                          "calibration": {**p.calibration, "a": p.a, "b": p.b}, "threshold": p.threshold,
+                          "precision": self.precision}
                          for p in self.policies],
         }
 
