@@ -50,7 +50,7 @@ MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not wr
 @friendly_errors
 def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry_run, force, model, text_column,
               messages_column, chat_template, id_column, device, precision, batch_tokens, max_length,
-              cuda_graphs, threads) -> None:
+              cuda_graphs, fp8_flip_limit, threads) -> None:
     """Fit p = sigmoid(a*f + b) for one policy (Platt, Newton with line search) and record it in policy.json.
 
     Metrics compare the policy's current a, b ("before") with the new fit ("after"); fewer than 10 fit rows
@@ -70,7 +70,8 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         model_dir = Path(model or default_model())
         template = resolve_chat_template(model_dir, chat_template, [policy], files, spec)
         settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
-                                  chat_template=template, threads=threads)
+                                  chat_template=template, threads=threads,
+                                  fp8_flip_limit=fp8_flip_limit)
         engine = Engine(model_dir, [policy], settings)
         ids, f, raw_labels, label_col, convs = _score(engine, files, spec, label_column)
     y, bad = parse_labels(raw_labels, policy.compliant, policy.violation)

@@ -58,7 +58,7 @@ def model_option(f):
 
 
 def engine_options(f):
-    """--device, --precision, --batch-tokens, --max-length, --cuda-graphs, --threads."""
+    """--device, --precision, --batch-tokens, --max-length, --cuda-graphs, --fp8-flip-limit, --threads."""
     for opt in reversed([
         click.option("--device", default="auto", show_default=True, callback=check_device,
                      help="auto | cpu | cuda | cuda:N"),
@@ -72,6 +72,9 @@ def engine_options(f):
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="replay batches of up to 4096 tokens from CUDA graphs (GPU only; same results bit "
                           "for bit, fewer kernel launches)"),
+        click.option("--fp8-flip-limit", default=0.01, show_default=True, type=click.FloatRange(0, 1),
+                     metavar="SHARE", help="--precision auto on a GPU runs bf16 when calibrate found FP8 flipping "
+                                           "more than this share of a policy's labeled verdicts"),
         click.option("--threads", default=None, type=click.IntRange(1), metavar="N",
                      help="CPU threads (CPU path only; the same results bit for bit at any count) "
                           "[default: the CPUs this process may use, at most 4]"),

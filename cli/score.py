@@ -59,7 +59,7 @@ from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
 @friendly_errors
 def score(inputs, output, model, policies, text_column, messages_column, chat_template, id_column, keep, fmt, layout,
           raw, flagged, truncation, errors_path, strict, device, precision, batch_tokens, max_length, cuda_graphs,
-          threads, devices, workers, no_progress) -> None:
+          fp8_flip_limit, threads, devices, workers, no_progress) -> None:
     """Score INPUT files (Parquet, JSONL, JSONL.gz; files, directories or globs) against every policy.
 
     Exit status: 0 all rows scored, 3 finished with rows in the errors file, 2 usage error, 1 failure."""
@@ -80,7 +80,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     template = resolve_chat_template(model_dir, chat_template, pols, files, spec)
     preload_arrow()
     settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
-                              chat_template=template, threads=threads)
+                              chat_template=template, threads=threads, fp8_flip_limit=fp8_flip_limit)
     slots = _worker_devices(device, devices, workers)
     progress = not no_progress and _is_terminal()
     if slots is None:

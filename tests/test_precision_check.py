@@ -42,3 +42,16 @@ def test_auto_takes_bf16_on_a_gpu_when_a_policy_flips_too_often(tmp_path):
     assert choose_precision("auto", True, pols, 0.03) == ("fp8", None)
     assert choose_precision("auto", False, pols, 0.01) == ("fp32", None)
     assert choose_precision("fp8", True, pols, 0.01) == ("fp8", None)
+
+
+def test_the_flip_limit_is_an_option_and_recorded(tmp_path, sample_slice):
+    from policyscan.engine.sinks import read_metadata
+
+    out = tmp_path / "o.parquet"
+    res = CliRunner().invoke(cli, ["score", str(sample_slice["parquet"]), "-o", str(out), "--no-progress",
+                                   "--device", "cpu", "--fp8-flip-limit", "0.05"])
+    assert res.exit_code == 0, res.output
+    assert read_metadata(out)["settings"]["fp8_flip_limit"] == 0.05
+    res = CliRunner().invoke(cli, ["score", str(sample_slice["parquet"]), "-o", str(tmp_path / "x.parquet"),
+                                   "--fp8-flip-limit", "2"])
+    assert res.exit_code == 2
