@@ -95,15 +95,7 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
     keyed: record the run key of a one-input output (run_key), what `-o DIR` compares to skip it next time;
     taken when the output is written, since it waits for the model's hash (hashed while the GPU works).
     input_sha256: the inputs' hashes when the caller already has them (each file is hashed once)."""
-    if keyed and len(inputs) != 1:
-        raise ValueError(f"a run key names one input's output, got {len(inputs)} inputs")
-    shas = input_sha256 or [file_sha256(p) for p in inputs]  # before reading: what was scored is what is named
-    names = [p.name for p in engine.policies]
-    remove_leftovers([output, errors, meta_path(output)])
-    writer = ScoreWriter(output, out.fmt, out.layout, names, out.raw,
-                         [p.threshold for p in engine.policies] if out.flagged else None, out.truncation)
-    err = ErrorWriter(errors)
-    acc = Accounting(above_threshold={n: 0 for n in names})
+    shas, writer, err, acc = open_outputs(engine.policies, inputs, output, errors, out, keyed, input_sha256)
     id_hashes: list[np.ndarray] = []
     t0 = time.perf_counter()
     try:
@@ -121,19 +113,42 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
             if progress:
                 progress(len(item[0]), acc.prompt_tokens)
         acc.seconds = time.perf_counter() - t0
-        acc.duplicate_ids = _repeats(id_hashes)
-        meta = {**engine.describe(), "model_files": engine.checkpoint.file_hashes(),
-                "inputs": [_input_record(p, h, output) for p, h in zip(inputs, shas)],
-                "read": asdict(spec), "output": asdict(out), "errors_file": str(errors) if err.count else None,
-                "accounting": {**asdict(acc), "balanced": acc.balanced},
-                "run_key": run_key(engine, spec, out, shas[0]) if keyed else None}
-        moves, remove = err.finish()
-        commit_together(writer.finish(meta) + moves, remove)
+        commit_outputs(engine, engine.checkpoint.file_hashes(), id_hashes, inputs, shas, output, errors, spec, out,
+                       keyed, writer, err, acc)
     except BaseException:
         writer.abort()
         err.abort()
         raise
     return acc
+
+
+def open_outputs(policies, inputs: list[Path], output: Path, errors: Path, out: OutputSpec, keyed: bool,
+                 input_sha256: list[str] | None) -> tuple[list[str], ScoreWriter, ErrorWriter, Accounting]:
+    """A run's input hashes (taken before reading: what was scored is what is named), its writers and accounting;
+    temp files of dead runs of these outputs removed."""
+    if keyed and len(inputs) != 1:
+        raise ValueError(f"a run key names one input's output, got {len(inputs)} inputs")
+    shas = input_sha256 or [file_sha256(p) for p in inputs]
+    names = [p.name for p in policies]
+    remove_leftovers([output, errors, meta_path(output)])
+    writer = ScoreWriter(output, out.fmt, out.layout, names, out.raw,
+                         [p.threshold for p in policies] if out.flagged else None, out.truncation)
+    return shas, writer, ErrorWriter(errors), Accounting(above_threshold={n: 0 for n in names})
+
+
+def commit_outputs(scorer, model_files: dict, id_hashes: list[np.ndarray], inputs: list[Path], shas: list[str],
+                   output: Path, errors: Path, spec: ReadSpec, out: OutputSpec, keyed: bool, writer: ScoreWriter,
+                   err: ErrorWriter, acc: Accounting, **extra) -> None:
+    """The metadata (scorer: an Engine, or a pool of them; both describe() the run), then the output, its
+    metadata and its errors file renamed together."""
+    acc.duplicate_ids = _repeats(id_hashes)
+    meta = {**scorer.describe(), "model_files": model_files, **extra,
+            "inputs": [_input_record(p, h, output) for p, h in zip(inputs, shas)],
+            "read": asdict(spec), "output": asdict(out), "errors_file": str(errors) if err.count else None,
+            "accounting": {**asdict(acc), "balanced": acc.balanced},
+            "run_key": run_key(scorer, spec, out, shas[0]) if keyed else None}
+    moves, remove = err.finish()
+    commit_together(writer.finish(meta) + moves, remove)
 
 
 @dataclass(frozen=True)

@@ -10,17 +10,16 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import InputError
-from policyscan.engine.pipeline import (Accounting, FileFailure, OutputSpec, StrictStop, _file_failure, _input_record,
-                                        _repeats, run_key)
+from policyscan.engine.pipeline import (Accounting, FileFailure, OutputSpec, StrictStop, _file_failure,
+                                        commit_outputs, open_outputs)
 from policyscan.engine.rows import ReadSpec
-from policyscan.engine.sinks import ErrorWriter, ScoreWriter, commit_together, meta_path, remove_leftovers
+from policyscan.engine.sinks import ErrorWriter, ScoreWriter
 from policyscan.engine.units import UNIT_ROWS, Unit, plan_units
 from policyscan.engine.workers import DEPTH, Event, Worker, WorkerPool
 from policyscan.engine.workers_proc import Failed, Scored, Stopped
@@ -151,29 +150,15 @@ def score_inputs_workers(pool: WorkerPool, inputs: list[Path], output: Path, err
                          input_sha256: list[str] | None = None, unit_rows: int = UNIT_ROWS) -> Accounting:
     """pipeline.score_inputs with the pool's workers: the same files, bit for bit. The metadata also names the
     workers' devices. On any failure (Ctrl-C, SIGTERM) the workers are stopped and nothing is left behind."""
-    if keyed and len(inputs) != 1:
-        raise ValueError(f"a run key names one input's output, got {len(inputs)} inputs")
-    shas = input_sha256 or [file_sha256(p) for p in inputs]
-    names = [p.name for p in pool.policies]
-    remove_leftovers([output, errors, meta_path(output)])
-    writer = ScoreWriter(output, out.fmt, out.layout, names, out.raw,
-                         [p.threshold for p in pool.policies] if out.flagged else None, out.truncation)
-    err = ErrorWriter(errors)
-    acc = Accounting(above_threshold={n: 0 for n in names})
+    shas, writer, err, acc = open_outputs(pool.policies, inputs, output, errors, out, keyed, input_sha256)
     sink = _Sink(writer, err, acc, out.strict, progress)
     t0 = time.perf_counter()
     try:
         units = plan_units(inputs, spec, unit_rows)
         _Schedule(pool, units, spec, out.strict, window=2 * DEPTH * len(pool.config.devices)).run(sink)
         acc.seconds = time.perf_counter() - t0
-        acc.duplicate_ids = _repeats(sink.hashes)
-        meta = {**pool.describe(), "model_files": pool.file_hashes(), "workers": pool.devices,
-                "inputs": [_input_record(p, h, output) for p, h in zip(inputs, shas)],
-                "read": asdict(spec), "output": asdict(out), "errors_file": str(errors) if err.count else None,
-                "accounting": {**asdict(acc), "balanced": acc.balanced},
-                "run_key": run_key(pool, spec, out, shas[0]) if keyed else None}
-        moves, remove = err.finish()
-        commit_together(writer.finish(meta) + moves, remove)
+        commit_outputs(pool, pool.file_hashes(), sink.hashes, inputs, shas, output, errors, spec, out, keyed, writer,
+                       err, acc, workers=pool.devices)
     except BaseException:
         pool.close(clean=False)  # its workers may hold units of this run: they must not reach another one
         writer.abort()
