@@ -83,6 +83,13 @@ def load_policy(path: str | Path) -> Policy:
         if not isinstance(where.get(key), str) or not where.get(key):
             raise PolicyError(f"{pj}: missing {'labels.' if where is labels else ''}{key} (a non-empty string)")
     lora, sha = _load_adapter(path)
+    needs = meta.get("adapter", "optional")
+    if needs not in ("optional", "required"):
+        raise PolicyError(f"{pj}: adapter must be \"required\" or \"optional\", got {needs!r}")
+    if needs == "required" and sha is None:
+        raise PolicyError(f"{path}: policy.json says the adapter is required, but the bundle has none of its files; "
+                          "copy adapter_config.json and adapter_model.safetensors into it (without them it would "
+                          "score the bare base model)")
     return Policy(
         name=meta["name"], path=path, compliant=labels["compliant"], violation=labels["violation"],
         lora=lora, adapter_sha256=sha, prefix=template.get("prefix", ""), suffix=template.get("suffix", ""),

@@ -5,8 +5,10 @@ tokenizers are small BPE fixtures built like each family's (its special tokens, 
 random models of each architecture score every recipe through the engine as transformers scores the whole prompt."""
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,8 @@ import pytest
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from policyscan.engine.policy import load_policies, load_policy
+from policyscan.engine.errors import PolicyError
+from policyscan.engine.policy import load_policy
 from policyscan.engine.prompts import PromptBuilder, TextEncoder
 from policyscan.engine.runner import Engine, EngineSettings
 
@@ -125,8 +128,16 @@ MESSAGES = [
 ]
 
 
+@functools.cache
 def _policy(name: str):
-    return load_policy(GUARDS / name)
+    """The bundle as shipped; a LoRA recipe (adapter "required") as its prompt alone, for the rendering checks."""
+    meta = json.loads((GUARDS / name / "policy.json").read_text())
+    if meta.pop("adapter", "optional") != "required":
+        return load_policy(GUARDS / name)
+    copy = Path(tempfile.mkdtemp()) / name
+    shutil.copytree(GUARDS / name, copy)
+    (copy / "policy.json").write_text(json.dumps(meta))
+    return load_policy(copy)
 
 
 def _rendered(toks: dict[str, Path], name: str, messages=MESSAGES) -> tuple[TextEncoder, str, str]:
@@ -185,8 +196,10 @@ def toks(tmp_path_factory) -> dict[str, Path]:
 def test_every_recipe_is_shipped_and_loads_through_the_policy_loader():
     shipped = sorted(p.parent.name for p in GUARDS.glob("*/policy.json"))
     assert shipped == sorted(RECIPES)
-    everything = load_policies([GUARDS])  # a folder of bundles: names unique, every bundle valid
-    assert sorted(p.name for p in everything) == sorted(RECIPES)
+    with pytest.raises(PolicyError, match="adapter is required"):  # the LoRA recipe without its adapter
+        load_policy(GUARDS / "nemoguard-8b-content-safety")
+    everything = [_policy(name) for name in shipped]
+    assert len({p.name for p in everything}) == len(RECIPES)
     for pol in everything:
         assert pol.name == pol.path.name
         assert pol.lora.factors == {} and pol.adapter_sha256 is None  # as shipped, every bundle is prompt-only
@@ -194,8 +207,6 @@ def test_every_recipe_is_shipped_and_loads_through_the_policy_loader():
         assert (pol.a, pol.b, pol.threshold) == (1.0, 0.0, 0.5)  # p = the card's two-way softmax until calibrated
         assert (pol.compliant, pol.violation) == RECIPES[pol.name][3]
         assert json.loads((pol.path / "policy.json").read_text())["model_card"].startswith("https://huggingface.co/")
-    lora = load_policy(GUARDS / "nemoguard-8b-content-safety")
-    assert "without the adapter files this bundle scores the bare base model" in lora.description
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -212,7 +223,7 @@ def test_the_sample_renders_into_the_model_cards_prompt(name, toks):
         at = found + len(piece)
     assert full.endswith(end)
     assert "SYSTEM-SECRET" not in full  # no guard's prompt format has a place for the system message
-    assert enc.describe_template()["source"] == str((GUARDS / name / "conversation.jinja").resolve())
+    assert enc.describe_template()["source"] == str((pol.path / "conversation.jinja").resolve())
     if bos:  # the engine adds BOS as a token id: a prefix that spelt it out would give two
         assert not pol.prefix.startswith(bos)
 
@@ -329,7 +340,3 @@ def test_the_lora_recipe_with_its_adapter_in_the_bundle_scores_as_transformers_a
     whole = eng.encoder.tok.encode(pol.prefix + text + pol.suffix, add_special_tokens=True).ids
     ref = hf_scores(model_dir, [bundle], [whole], [0], [eng.encoder.verdict_ids(pol)], torch.float32)
     assert abs(float(f[0, 0]) - float(ref[0])) <= 1e-4
-    base_only = Engine(model_dir, [load_policy(GUARDS / "nemoguard-8b-content-safety")],
-                       EngineSettings("cpu", "fp32", batch_tokens=4096, max_length=4096))
-    f_base, _, _ = base_only.score_conversations([np.asarray(base_only.encoder.encode(text))])
-    assert f_base[0, 0] != f[0, 0]  # the shipped bundle alone is the bare base model: the adapter must be added

@@ -50,6 +50,20 @@ def test_a_bundle_without_adapter_files_is_prompt_only_and_half_an_adapter_is_re
         load_policy(half)
 
 
+def test_a_bundle_whose_adapter_is_required_is_refused_without_it(tmp_path):
+    d = _renamed(tmp_path, "needs", adapter=True)
+    meta = json.loads((d / "policy.json").read_text())
+    (d / "policy.json").write_text(json.dumps({**meta, "adapter": "required"}))
+    assert load_policy(d).adapter_sha256 is not None
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (d / f).unlink()
+    with pytest.raises(PolicyError, match=r"needs.*adapter is required.*copy adapter_config.json"):
+        load_policy(d)
+    (d / "policy.json").write_text(json.dumps({**meta, "adapter": "yes"}))
+    with pytest.raises(PolicyError, match='adapter must be "required" or "optional"'):
+        load_policy(d)
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_prompt_only_f_is_bitwise_the_base_models_mixed_with_lora_policies(tmp_path, prefix_cache):
     settings = EngineSettings("cpu", "fp32", batch_tokens=512, max_length=256, prefix_cache=prefix_cache)
