@@ -55,11 +55,14 @@ from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
                    "as 0,2 (with --device auto or cuda; a single GPU scores in this process)")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1), metavar="N",
               help="worker processes on the CPU (--device cpu), each with its own model copy and --threads")
+@click.option("--ray", "ray_address", default=None, is_flag=False, flag_value="", metavar="[ADDRESS]",
+              help="score on a Ray cluster (pip install 'policyscan[ray]'): ADDRESS, else RAY_ADDRESS, else the "
+                   "cluster `ray start` began here, else a new local one; outputs are written here")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @friendly_errors
 def score(inputs, output, model, policies, text_column, messages_column, chat_template, id_column, keep, fmt, layout,
           raw, flagged, truncation, errors_path, strict, device, precision, batch_tokens, max_length, cuda_graphs,
-          fp8_flip_limit, threads, devices, workers, no_progress) -> None:
+          fp8_flip_limit, threads, devices, workers, ray_address, no_progress) -> None:
     """Score INPUT files (Parquet, JSONL, JSONL.gz; files, directories or globs) against every policy.
 
     Exit status: 0 all rows scored, 3 finished with rows in the errors file, 2 usage error, 1 failure."""
@@ -81,8 +84,15 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     preload_arrow()
     settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
                               chat_template=template, threads=threads, fp8_flip_limit=fp8_flip_limit)
-    slots = _worker_devices(device, devices, workers)
     progress = not no_progress and _is_terminal()
+    if ray_address is not None:
+        from policyscan.ray.run import score_on_ray
+
+        total, run = score_on_ray(ray_address, model_dir, pols, settings, jobs, spec, out, per_input, workers, devices,
+                                  progress)
+        _summary(run, total)
+        sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
+    slots = _worker_devices(device, devices, workers)
     if slots is None:
         engine = Engine(model_dir, pols, settings)
         click.echo(f"policyscan: {len(engine.policies)} policies ({', '.join(p.name for p in engine.policies)}) on "
@@ -186,7 +196,7 @@ def _summary(engine: Engine | WorkerPool, acc: Accounting) -> None:
         lines.append(_time_split(engine, acc))
         if engine.precision_reason:
             lines.append(f"precision {engine.precision}, not FP8 (--precision auto): {engine.precision_reason}")
-    elif engine.deaths:
+    elif isinstance(engine, WorkerPool) and engine.deaths:
         lines.append(f"worker processes that died ({len(engine.deaths)}; their units went to the others): "
                      + "; ".join(engine.deaths))
     for p in engine.policies:

@@ -53,12 +53,47 @@ def parse_line(line: str) -> tuple[dict | None, str | None]:
 
 
 def read_jsonl(path: Path, spec: ReadSpec, render: Callable[[list], str]) -> Iterator[Chunk]:
-    picked = (spec.text_column or spec.messages_column, spec.messages_column is not None) \
-        if spec.text_column or spec.messages_column else None
+    yield from _chunks(path, spec, render, parsed_lines(path), _spec_column(spec))
+
+
+def read_jsonl_range(path: Path, spec: ReadSpec, render: Callable[[list], str], start: int, end: int,
+                     first_line: int, first_row: int, column: tuple[str, bool]) -> Iterator[Chunk]:
+    """The rows of the whole lines in bytes [start, end) of a plain JSONL file, as read_jsonl gives them when it
+    reads the whole file: line `first_line` is file row `first_row`, and `column` is the conversation column
+    read_jsonl picks for the file (first_column)."""
+    yield from _chunks(path, spec, render, _range_lines(path, start, end, first_line), column, first_row,
+                       first_line - 1)
+
+
+def first_column(path: Path, spec: ReadSpec) -> tuple[str, bool] | None:
+    """The conversation column read_jsonl picks for `path`, when the spec or the file's first chunk settles it
+    (None: that chunk holds no JSON object, so the pick waits for a later one). Raises InputError as read_jsonl."""
+    if (picked := _spec_column(spec)) is not None:
+        return picked
     pending: list[Parsed] = []
-    row, line_no, chars = 0, 0, 0
+    chars = 0
+    for parsed, size in parsed_lines(path):
+        pending.append(parsed)
+        chars += size
+        if len(pending) >= spec.chunk_rows or chars >= spec.chunk_chars:
+            break
+    return _pick(spec, pending, path)
+
+
+def _spec_column(spec: ReadSpec) -> tuple[str, bool] | None:
+    if spec.text_column or spec.messages_column:
+        return spec.text_column or spec.messages_column, spec.messages_column is not None
+    return None
+
+
+def _chunks(path: Path, spec: ReadSpec, render: Callable[[list], str], lines: Iterator[tuple[Parsed, int]],
+            picked: tuple[str, bool] | None, row: int = 0, line_no: int = 0) -> Iterator[Chunk]:
+    """Parsed lines -> chunks of at most spec.chunk_rows rows or about spec.chunk_chars characters, from file
+    row `row` on; the column is picked from the first chunk that holds an object, unless `picked` says it."""
+    pending: list[Parsed] = []
+    chars = 0
     try:
-        for parsed, size in parsed_lines(path):
+        for parsed, size in lines:
             line_no = parsed[0]
             pending.append(parsed)
             chars += size
@@ -75,6 +110,28 @@ def read_jsonl(path: Path, spec: ReadSpec, render: Callable[[list], str]) -> Ite
     if pending:
         picked = picked or _pick(spec, pending, path)
         yield _chunk(path, row, pending, picked, spec, render)
+
+
+def _range_lines(path: Path, start: int, end: int, first_line: int) -> Iterator[tuple[Parsed, int]]:
+    """parsed_lines for the whole lines in bytes [start, end), split and decoded as parsed_lines does."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise InputError(f"{path}: cannot open ({e})") from e
+    with f:
+        f.seek(start)
+        pos = start
+        for line_no, raw in enumerate(f, first_line):  # binary lines end at b"\n" only, as newline="\n" splits
+            pos += len(raw)
+            if pos > end:
+                break
+            line = raw.decode("utf-8", "surrogateescape")
+            if line.strip():
+                yield (line_no, *parse_line(line)), len(line)
+            if pos == end:
+                return
+    raise InputError(f"{path}: bytes {start} to {end} no longer hold the whole lines they held when the run "
+                     "began; the file changed while it was scored: score it again once it is complete")
 
 
 def _pick(spec: ReadSpec, pending: list[Parsed], path: Path) -> tuple[str, bool] | None:

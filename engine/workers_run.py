@@ -20,7 +20,7 @@ from policyscan.engine.pipeline import (Accounting, FileFailure, OutputSpec, Str
                                         commit_outputs, open_outputs)
 from policyscan.engine.rows import ReadSpec
 from policyscan.engine.sinks import ErrorWriter, ScoreWriter
-from policyscan.engine.units import UNIT_ROWS, Unit, plan_units
+from policyscan.engine.units import UNIT_BYTES, UNIT_ROWS, LineRange, Unit, plan_units, range_lines
 from policyscan.engine.workers import DEPTH, Event, Worker, WorkerPool
 from policyscan.engine.workers_proc import Failed, Scored, Stopped
 
@@ -78,16 +78,18 @@ class _Sink:
 
     def _poisoned(self, unit: Unit, why: str) -> None:
         reason = f"a worker process died on these rows twice ({why}); they were not scored"
-        if unit.group is None:  # a whole file: its rows are not known, the file is listed as unreadable files are
+        if unit.part is None:  # a whole file: its rows are not known, the file is listed as unreadable files are
             _file_failure(FileFailure(unit.path, InputError(f"{unit.path}: {reason}"), 0), self.err, self.acc,
                           self.strict)
             return
+        rows = unit.part.file_rows
         if self.strict:
-            raise StrictStop(f"{unit.path}, rows {unit.file_rows.start} to {unit.file_rows.stop - 1}: {reason}")
-        for r in unit.file_rows:
-            self.err.add(str(unit.path), r, None, None, reason)
-        self.acc.rows_in += unit.rows
-        self.acc.rows_in_errors += unit.rows
+            raise StrictStop(f"{unit.path}, rows {rows.start} to {rows.stop - 1}: {reason}")
+        lines = range_lines(unit.path, unit.part) if isinstance(unit.part, LineRange) else [None] * len(rows)
+        for r, line in zip(rows, lines):
+            self.err.add(str(unit.path), r, line, None, reason)
+        self.acc.rows_in += len(rows)
+        self.acc.rows_in_errors += len(rows)
 
 
 class _Schedule:
@@ -147,14 +149,15 @@ class _Schedule:
 
 def score_inputs_workers(pool: WorkerPool, inputs: list[Path], output: Path, errors: Path, spec: ReadSpec,
                          out: OutputSpec, progress: Callable[[int, int], None] | None = None, keyed: bool = False,
-                         input_sha256: list[str] | None = None, unit_rows: int = UNIT_ROWS) -> Accounting:
+                         input_sha256: list[str] | None = None, unit_rows: int = UNIT_ROWS,
+                         unit_bytes: int = UNIT_BYTES) -> Accounting:
     """pipeline.score_inputs with the pool's workers: the same files, bit for bit. The metadata also names the
     workers' devices. On any failure (Ctrl-C, SIGTERM) the workers are stopped and nothing is left behind."""
     shas, writer, err, acc = open_outputs(pool.policies, inputs, output, errors, out, keyed, input_sha256)
     sink = _Sink(writer, err, acc, out.strict, progress)
     t0 = time.perf_counter()
     try:
-        units = plan_units(inputs, spec, unit_rows)
+        units = plan_units(inputs, spec, unit_rows, unit_bytes)
         _Schedule(pool, units, spec, out.strict, window=2 * DEPTH * len(pool.config.devices)).run(sink)
         acc.seconds = time.perf_counter() - t0
         commit_outputs(pool, pool.file_hashes(), sink.hashes, inputs, shas, output, errors, spec, out, keyed, writer,

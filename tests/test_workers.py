@@ -1,5 +1,6 @@
 """Worker processes (engine/workers*.py) on the CPU: two workers write bitwise what one worker and the
-single-process path write; a killed worker loses no row; SIGTERM stops every worker and leaves nothing."""
+single-process path write, Parquet slices and JSONL line ranges alike; a killed worker loses no row; SIGTERM stops
+every worker and leaves nothing."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,8 @@ from policyscan.engine.pipeline import OutputSpec, score_inputs
 from policyscan.engine.policy import load_policies
 from policyscan.engine.runner import Engine, EngineSettings
 from policyscan.engine.sources import ReadSpec
-from policyscan.engine.units import plan_units
+from policyscan.engine.sources import read_chunks
+from policyscan.engine.units import LineRange, RowSlice, plan_units, range_lines, unit_chunks
 from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
 from policyscan.engine.workers_proc import KILL_ENV
 from policyscan.engine.workers_run import score_inputs_workers
@@ -28,18 +30,22 @@ from policyscan.engine.workers_run import score_inputs_workers
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 SETTINGS = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)  # 1 thread: workers share 2 cores
 UNIT_ROWS = 4  # slices inside row groups, several units per file
+UNIT_BYTES = 1000  # JSONL ranges of two or three lines
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> list[Path]:
-    """42 rows: Parquet with ids and bad rows (3 groups), JSONL with a malformed line, Parquet without ids."""
+    """42 rows: Parquet with ids and bad rows (3 groups), JSONL with a malformed line, a line that is not UTF-8 and
+    blank lines, Parquet without ids."""
     d = tmp_path_factory.mktemp("in")
     rows = pq.read_table(SAMPLE / "conversations.parquet").slice(0, 34).to_pylist()
     rows[3]["messages"], rows[10]["messages"] = None, []
     pq.write_table(pa.Table.from_pylist(rows[:24]), d / "a.parquet", row_group_size=8)
-    lines = (SAMPLE / "conversations.jsonl").read_text().splitlines()[24:32]
-    lines[2] = "{not json"
-    (d / "b.jsonl").write_text("\n".join(lines) + "\n")
+    lines = [line.encode() for line in (SAMPLE / "conversations.jsonl").read_text().splitlines()[24:32]]
+    lines[2] = b"{not json"
+    lines[5] = lines[5].replace(b"assistant", b"assist\xffant", 1)
+    lines[4:4] = [b"", " \t\u3000".encode()]  # blank lines are no rows, but count as lines
+    (d / "b.jsonl").write_bytes(b"\n".join(lines) + b"\n\n")
     pq.write_table(pa.Table.from_pylist([{"messages": r["messages"]} for r in rows[24:34]]), d / "c.parquet",
                    row_group_size=7)
     return [d / "a.parquet", d / "b.jsonl", d / "c.parquet"]
@@ -66,17 +72,46 @@ def _counts(acc) -> tuple:
 
 def _run(pool, inputs, d: Path):
     acc = score_inputs_workers(pool, inputs, d / "o.parquet", d / "e.jsonl", ReadSpec(), OutputSpec(raw=True),
-                               unit_rows=UNIT_ROWS)
+                               unit_rows=UNIT_ROWS, unit_bytes=UNIT_BYTES)
     errors = (d / "e.jsonl").read_text().splitlines() if (d / "e.jsonl").exists() else []
     return pq.read_table(d / "o.parquet"), errors, acc
 
 
 def test_units_cover_every_row_once_in_order(inputs):
-    units = plan_units(inputs, ReadSpec(), UNIT_ROWS)
+    units = plan_units(inputs, ReadSpec(), UNIT_ROWS, UNIT_BYTES)
     assert [u.index for u in units] == list(range(len(units)))
-    by_file = {p: [r for u in units if u.path == p for r in u.file_rows] for p in (inputs[0], inputs[2])}
-    assert by_file[inputs[0]] == list(range(24)) and by_file[inputs[2]] == list(range(10))
-    assert [u.group for u in units if u.path == inputs[1]] == [None]  # JSONL: the whole file
+    by_file = {p: [r for u in units if u.path == p for r in u.part.file_rows] for p in inputs}
+    assert by_file == {inputs[0]: list(range(24)), inputs[1]: list(range(8)), inputs[2]: list(range(10))}
+    ranges = [u.part for u in units if u.path == inputs[1]]
+    assert len(ranges) > 2 and all(isinstance(r, LineRange) for r in ranges)
+    assert all(isinstance(u.part, RowSlice) for u in units if u.path != inputs[1])
+    assert [u.part for u in plan_units([inputs[1]], ReadSpec())] == [None]  # a file smaller than a unit: whole
+
+
+def _rows(chunks) -> list[tuple]:
+    return [(c.first_row + i, c.ids[i].as_py(), c.lines[i], c.errors[i], c.texts[i]) for c in chunks
+            for i in range(len(c))]
+
+
+def test_jsonl_ranges_give_the_whole_file_readers_rows(tmp_path):
+    """ids file:line, rows, lines, errors and texts as read_chunks gives them, whatever the ranges; blank lines
+    (Unicode spaces too) are no rows, a line of U+200B is one, and a file may end without its newline."""
+    lines = [b'{"text": "a"}', b"", b"  \t\r", " \u3000\xa0\x1c".encode(), "\u200b".encode(), b"{bad", b"\xff",
+             b'  {"text": "b"}', "{\"text\": \"\u00fc\"}".encode(), b'{"text": 3}', b"[1]", b'{"text": "\xfe"}']
+    spec = ReadSpec(chunk_rows=3)
+    for n, end in enumerate((b"", b"\n", b"\n\n \n")):
+        path = tmp_path / f"{n}.jsonl"
+        path.write_bytes(b"\n".join(lines * 5) + end)
+        whole = _rows(read_chunks(path, spec, str))
+        for unit_bytes in (1, 40, 100, 10**6):
+            units = plan_units([path], spec, unit_bytes=unit_bytes)
+            assert [r for u in units for r in _rows(unit_chunks(u, spec, str))] == whole, unit_bytes
+            for u in units:
+                if u.part is not None:
+                    assert range_lines(path, u.part) == [r[2] for r in _rows(unit_chunks(u, spec, str))]
+    late = tmp_path / "late.jsonl"  # no object in the first chunk: the column is picked later, the file goes whole
+    late.write_bytes(b"{x\n" * 3 + b'{"text": "a"}\n' * 50)
+    assert [u.part for u in plan_units([late], spec, unit_bytes=40)] == [None]
 
 
 def test_devices_are_all_a_count_or_indices():
@@ -92,7 +127,8 @@ def test_devices_are_all_a_count_or_indices():
 def test_two_workers_write_the_bits_of_one_worker_and_of_the_single_process_path(inputs, policies, reference,
                                                                                  tmp_path):
     ref_table, ref_errors, ref_acc = reference
-    assert ref_acc.rows_in_errors == 3 and ref_acc.rows_scored == 39  # the bad rows are there to be compared
+    assert ref_acc.rows_in_errors == 4 and ref_acc.rows_scored == 38  # the bad rows are there to be compared
+    assert len([u for u in plan_units(inputs, ReadSpec(), UNIT_ROWS, UNIT_BYTES) if u.path == inputs[1]]) > 2
     for n in (1, 2):
         d = tmp_path / f"w{n}"
         d.mkdir()
@@ -108,20 +144,21 @@ def test_two_workers_write_the_bits_of_one_worker_and_of_the_single_process_path
 def test_a_killed_worker_loses_no_row_and_a_unit_that_kills_twice_is_listed(inputs, policies, reference, tmp_path,
                                                                             monkeypatch):
     ref_table, ref_errors, ref_acc = reference
-    units = plan_units(inputs, ReadSpec(), UNIT_ROWS)
-    poison = next(u for u in units if u.path == inputs[2] and u.group == 0 and u.first > 0)
-    # SIGKILL (an OOM kill) of the worker starting unit 1, once; of every worker starting `poison`
-    monkeypatch.setenv(KILL_ENV, f"1,{poison.index}*")
+    units = plan_units(inputs, ReadSpec(), UNIT_ROWS, UNIT_BYTES)
+    poison = next(u for u in units if u.path == inputs[2] and u.part.group == 0 and u.part.first > 0)
+    once = next(u for u in units if u.path == inputs[1] and u.part.first_row > 0)
+    # SIGKILL (an OOM kill) of the worker starting a JSONL range, once; of every worker starting `poison`
+    monkeypatch.setenv(KILL_ENV, f"{once.index},{poison.index}*")
     with WorkerPool(WorkerConfig(SAMPLE / "model", policies, SETTINGS, ("cpu", "cpu"))) as pool:
         table, errors, acc = _run(pool, inputs, tmp_path)
         assert len(pool.deaths) == 3, pool.deaths
-    lost_ids = [f"c.parquet:{r}" for r in poison.file_rows]
+    lost_ids = [f"c.parquet:{r}" for r in poison.part.file_rows]
     assert table.equals(ref_table.filter(pc.invert(pc.is_in(ref_table["id"], pa.array(lost_ids)))))
     died = [json.loads(e) for e in errors if "died on these rows twice" in e]
-    assert [e["row"] for e in died] == list(poison.file_rows) and "SIGKILL" in died[0]["reason"]
+    assert [e["row"] for e in died] == list(poison.part.file_rows) and "SIGKILL" in died[0]["reason"]
     assert [e for e in errors if "died on these rows twice" not in e] == ref_errors
     assert acc.balanced and acc.rows_in == ref_acc.rows_in
-    assert acc.rows_in_errors == ref_acc.rows_in_errors + poison.rows  # the run's exit status is 3
+    assert acc.rows_in_errors == ref_acc.rows_in_errors + poison.part.rows  # the run's exit status is 3
 
 
 SCRIPT = """

@@ -1,0 +1,135 @@
+"""policyscan on Ray (policyscan.ray, `score --ray`) on a local two-CPU Ray cluster: the local CLI's outputs bit for
+bit, every row back (scored or with its error), skipped when up to date, nothing lost when an actor is killed."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+from cli_cases import SAMPLE, run  # noqa: E402
+from policyscan.engine.runner import EngineSettings  # noqa: E402
+from policyscan.ray import PolicyScorer  # noqa: E402
+from policyscan.ray.scorer import KILL_ENV  # noqa: E402
+
+SETTINGS = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)
+CPU = ["--device", "cpu", "--batch-tokens", "4096", "--max-length", "256", "--threads", "1", "--raw", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def arm(tmp_path_factory):
+    """A local Ray cluster for the module; the file whose presence makes an actor kill itself (KILL_ENV)."""
+    path = tmp_path_factory.mktemp("kill") / "arm"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {KILL_ENV: str(path), "TOKENIZERS_PARALLELISM": "false"}})
+    yield path
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def inputs(sample_slice, tmp_path_factory) -> list[Path]:
+    """The sample slice as Parquet of 5 row groups (5 units: 5 batches), and 12 JSONL lines with bad ones and a
+    conversation too long to keep whole (clipped)."""
+    d = tmp_path_factory.mktemp("ray_in")
+    pq.write_table(pq.read_table(sample_slice["parquet"]), d / "logs.parquet", row_group_size=8)
+    lines = sample_slice["jsonl"].read_text().splitlines()[:12]
+    lines[2], lines[7] = "{not json", '{"id": "x", "messages": []}'
+    lines[10] = json.dumps({"id": "long", "messages": [{"role": "user", "content": "word " * 14000}]})
+    (d / "more.jsonl").write_text("\n".join(lines[:5] + [""] + lines[5:]) + "\n")
+    return [d / "logs.parquet", d / "more.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def local(inputs, tmp_path_factory) -> Path:
+    """The local CLI's outputs of `inputs`, one per input."""
+    out = tmp_path_factory.mktemp("local")
+    run("score", *inputs, "-o", f"{out}/", *CPU, ok=(3,))
+    return out
+
+
+def _meta(path: Path) -> dict:
+    return json.loads(pq.ParquetFile(path).metadata.metadata[b"policyscan"])
+
+
+def _same_run(a: dict, b: dict) -> None:
+    """Metadata of one run's output, made locally and on Ray: equal but for times, paths and Ray's own record."""
+    assert {k for k in a if k not in ("ray", "errors_file")} == set(b) - {"errors_file"}
+    for k in b:
+        if k == "accounting":
+            assert {x: v for x, v in a[k].items() if "seconds" not in x} == \
+                   {x: v for x, v in b[k].items() if "seconds" not in x}
+        elif k != "errors_file":
+            assert a[k] == b[k], k
+
+
+@pytest.mark.slow
+def test_score_on_ray_writes_the_local_outputs_bit_for_bit_and_skips_them_next_time(arm, inputs, local, tmp_path):
+    out = tmp_path  # as deep as `local`: the inputs' paths relative to the outputs are the same
+    res = run("score", *inputs, "-o", f"{out}/", *CPU, "--ray", ok=(3,))
+    assert "rows in 52 = scored 50 + in errors 2 (balanced)" in res.output
+    for name in ("logs.scores.parquet", "more.scores.parquet"):
+        assert pq.read_table(out / name).equals(pq.read_table(local / name)), name
+        _same_run(_meta(out / name), _meta(local / name))
+        assert _meta(out / name)["ray"]["actors"] == 1
+    assert _meta(out / "more.scores.parquet")["accounting"]["clipped_conversations"] == 1
+    errors = (out / "more.scores.parquet.errors.jsonl").read_text()
+    assert errors == (local / "more.scores.parquet.errors.jsonl").read_text()
+    assert [json.loads(e)["line"] for e in errors.splitlines()] == [3, 9]  # the blank line 6 is no row
+    res = run("score", *inputs, "-o", f"{out}/", *CPU, "--ray")  # nothing new: exit 0
+    assert res.output.count("up to date") == 2 and "rows in 0 =" in res.output
+
+
+@pytest.mark.slow
+def test_policy_scorer_in_a_users_pipeline_keeps_every_row(arm, inputs, local, tmp_path):
+    """read_parquet -> map_batches(PolicyScorer): p bitwise the CLI's; a row that cannot be scored comes back with
+    its error, never dropped."""
+    rows = pq.read_table(inputs[0]).to_pylist()
+    rows[4]["messages"], rows[30]["messages"] = None, [{"role": "user"}]
+    src = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    ds = ray.data.read_parquet(str(src)).map_batches(
+        PolicyScorer, fn_constructor_kwargs={"model": str(SAMPLE / "model"), "policies": [str(SAMPLE / "policies")],
+                                             "settings": SETTINGS, "raw": True},
+        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=1, batch_size=16, batch_format="pyarrow")
+    got = pa.concat_tables(ds.iter_batches(batch_size=None, batch_format="pyarrow")).sort_by("id")
+    assert got["id"].to_pylist() == sorted(r["id"] for r in rows)
+    bad = got.filter(pc.is_valid(got["error"]))
+    assert bad["id"].to_pylist() == sorted([rows[4]["id"], rows[30]["id"]]) and bad["p_pii"].null_count == 2
+    assert "null conversation" in bad["error"].to_pylist()[bad["id"].to_pylist().index(rows[4]["id"])]
+    want = pq.read_table(local / "logs.scores.parquet").sort_by("id")
+    scored = got.filter(pc.is_null(got["error"])).select(want.column_names)
+    assert scored.equals(want.filter(pc.is_in(want["id"], scored["id"])))
+
+
+def test_policy_scorer_forms_file_row_ids_and_passes_upstream_errors_through():
+    scorer = PolicyScorer(SAMPLE / "model", [SAMPLE / "policies" / "pii"], SETTINGS, text_column="t",
+                          error_column="why", keep=("tag",), truncation=True)
+    batch = pa.table({"t": ["user: hello there", None, "user: again", "  "],
+                      "why": [None, "upstream reason", None, None],
+                      "path": ["/a/day1.parquet"] * 4, "row": [10, 11, 12, 13], "tag": ["w", "x", "y", "z"]})
+    out = scorer(batch)
+    assert out["id"].to_pylist() == ["day1.parquet:10", "day1.parquet:11", "day1.parquet:12", "day1.parquet:13"]
+    assert out["error"].to_pylist() == [None, "upstream reason", None, "empty conversation"]
+    assert out["tag"].to_pylist() == ["w", "x", "y", "z"] and out["p_pii"].null_count == 2
+    assert out["truncated_pii"].to_pylist() == [False, None, False, None]
+    assert out["prompt_tokens"].to_pylist()[1::2] == [0, 0] and min(out["prompt_tokens"].to_pylist()[::2]) > 0
+    with pytest.raises(Exception, match="no column 'id', nor 'path' and 'row'"):
+        scorer(batch.drop_columns(["row"]))
+
+
+@pytest.mark.slow
+def test_an_actor_killed_mid_run_loses_no_row(arm, inputs, local, tmp_path):
+    """The actor SIGKILLs itself at its second batch (of five): Ray restarts it and runs the batch again."""
+    arm.touch()
+    run("score", inputs[0], "-o", f"{tmp_path}/", *CPU, "--ray")
+    assert not arm.exists()  # an actor was killed
+    table = pq.read_table(tmp_path / "logs.scores.parquet")
+    ids = table["id"].to_pylist()
+    assert len(ids) == len(set(ids)) == 40
+    assert table.equals(pq.read_table(local / "logs.scores.parquet"))
