@@ -20,6 +20,7 @@ from policyscan.engine.batch import pack  # noqa: E402
 from policyscan.engine.checkpoint import Checkpoint  # noqa: E402
 from policyscan.engine.loader import attach_policies, load_decoder  # noqa: E402
 from policyscan.engine.policy import load_policy  # noqa: E402
+from policyscan.engine.precision import Precision  # noqa: E402
 
 LABELS = [(11, 13), (21, 23), (31, 37)]
 LENGTHS = [1, 17, 64, 200, 333, 100, 5, 250, 48]
@@ -66,7 +67,7 @@ def ours(model_dir: Path, dirs: list[Path], seqs, ads, device: str, dtype, fp8: 
         from policyscan.kernels import triton_ops as ops
     else:
         ops = reference
-    dec = load_decoder(Checkpoint.open(model_dir), ops, device, dtype, fp8=fp8, w8a8=w8a8)
+    dec = load_decoder(Checkpoint.open(model_dir), ops, Precision(dtype, fp8, w8a8), device)
     attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
     with torch.inference_mode():
         f = dec.forward(pack(seqs, ads).to(device)).double().cpu()

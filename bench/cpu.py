@@ -28,6 +28,7 @@ from policyscan.engine.batch import pack  # noqa: E402
 from policyscan.engine.checkpoint import Checkpoint  # noqa: E402
 from policyscan.engine.loader import attach_policies, load_decoder  # noqa: E402
 from policyscan.engine.policy import load_policy  # noqa: E402
+from policyscan.engine.precision import Precision  # noqa: E402
 from policyscan.engine.runner import default_threads  # noqa: E402
 from policyscan.kernels import reference  # noqa: E402
 
@@ -47,11 +48,11 @@ def build(root: Path, shape: str) -> tuple[Path, Path]:
 
 
 def policyscan_tps(model: Path, policy: Path, seqs: list[list[int]], threads: int) -> float:
-    dec = load_decoder(Checkpoint.open(model), reference, "cpu", torch.float32)
+    dec = load_decoder(Checkpoint.open(model), reference, Precision(torch.float32), "cpu")
     attach_policies(dec, [load_policy(policy)], [(3, 7)])
     reference.set_threads(threads)
     batches, cur = [], []
-    for s in seqs:  # packed batches of up to 8192 tokens, as the batcher packs them
+    for s in seqs:  # packed batches of up to 8192 tokens, as engine/batch.py plans them
         if cur and sum(map(len, cur)) + len(s) > 8192:
             batches.append(cur)
             cur = []

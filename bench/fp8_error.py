@@ -22,6 +22,7 @@ from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policies
+from policyscan.engine.precision import Precision
 from policyscan.engine.runner import Engine, EngineSettings
 from policyscan.kernels import reference
 
@@ -96,7 +97,7 @@ def main() -> None:
         labels = [eng.encoder.verdict_ids(p) for p in pols]
 
         def dec(dtype, fp8=False, w8a8=False):
-            d = load_decoder(ckpt, reference, "cpu", dtype, fp8=fp8, w8a8=w8a8)
+            d = load_decoder(ckpt, reference, Precision(dtype, fp8_weights=fp8, w8a8=w8a8))
             attach_policies(d, pols, labels)
             return d
 

@@ -20,8 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import WORKLOADS, hf_peft_model, prompts, random_decoder, shape  # noqa: E402
 from power import PowerSampler, describe, layer_rate, sustained_gemm_rates  # noqa: E402
 
-from policyscan.engine.batch import pack  # noqa: E402
-from policyscan.engine.batcher import plan_batches  # noqa: E402
+from policyscan.engine.batch import pack, plan_batches  # noqa: E402
 from policyscan.engine.graphs import GraphedForward  # noqa: E402
 from policyscan.engine.runner import EngineSettings  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402

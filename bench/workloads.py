@@ -12,6 +12,7 @@ from policyscan.engine.config import ModelConfig, RopeConfig
 from policyscan.engine.layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
 from policyscan.engine.loader import GROUPS
 from policyscan.engine.model import Decoder, DecoderLayer
+from policyscan.engine.precision import Precision
 from policyscan.engine.quant import quantize_weight
 
 LLAMA3_ROPE = RopeConfig(theta=500000.0, kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -101,7 +102,7 @@ def random_decoder(cfg: ModelConfig, n_adapters: int, rank: int, ops, device="cu
             getattr(layer, group).set_lora(stack(projs))
         layers.append(layer)
     embed = rnd(cfg.vocab, cfg.hidden, scale=0.02)
-    dec = Decoder(cfg, embed, layers, ones, ops, lambda ids: embed[ids].float())
+    dec = Decoder(cfg, Precision(dt, fp8, fp8), embed, layers, ones, ops, lambda ids: embed[ids].float())
     dec.head = torch.randn(n_adapters, cfg.hidden, generator=g, device=device) * 0.02
     return dec
 

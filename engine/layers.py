@@ -1,7 +1,8 @@
 """Linear layers with stacked multi-LoRA. Each is two kernels: a prologue over the activations, then one GEMM.
 
-Quantization is a swap of the layer class at load time (`DenseLoraLinear` or `Fp8LoraLinear`): the decoder
-never branches on precision. `ops` is the kernel set (kernels.reference on CPU, kernels.triton_ops on GPU).
+Quantization is a swap of the layer class at load time (the loader takes `Fp8LoraLinear` where the engine's
+Precision says w8a8, else `DenseLoraLinear`): no layer and no forward pass branches on precision. `ops` is the
+kernel set (kernels.reference on CPU, kernels.triton_ops on GPU).
 """
 from __future__ import annotations
 

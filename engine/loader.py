@@ -11,6 +11,7 @@ from policyscan.engine.errors import PolicyError
 from policyscan.engine.layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
 from policyscan.engine.model import Decoder, DecoderLayer
 from policyscan.engine.policy import Policy, check_policy
+from policyscan.engine.precision import Precision
 from policyscan.engine.quant import dequantize_weight, quantize_weight
 from policyscan.kernels.reference import interleave_halves
 
@@ -18,30 +19,32 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("
           "down": ("down_proj",)}
 
 
-def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, fp8: bool = False, w8a8: bool = False) -> Decoder:
+def load_decoder(ckpt: Checkpoint, ops: ModuleType, precision: Precision,
+                 device: torch.device | str = "cpu") -> Decoder:
     """Read each tensor once, straight into its final dtype and device (no second full copy of the model).
 
-    fp8: base weights go through e4m3 with per-channel scales (kept from an FP8 checkpoint, else quantized).
-    w8a8: keep them e4m3 in Fp8LoraLinear (the GPU kernels); otherwise dequantize to `dtype` (the CPU path).
-    An FP8 checkpoint is always FP8."""
+    precision.fp8_weights: base weights go through e4m3 with per-channel scales (kept from an FP8 checkpoint, else
+    quantized); precision.w8a8 keeps them e4m3 in Fp8LoraLinear (the GPU kernels), otherwise they are dequantized
+    to precision.dtype (the CPU path)."""
     cfg = ckpt.config
-    fp8 = fp8 or ckpt.fp8
+    if ckpt.fp8 and not precision.fp8_weights:
+        raise ValueError(f"{ckpt.model_dir} is an FP8 checkpoint: its precision needs fp8_weights (got {precision})")
+    dtype = precision.dtype
 
     def get(name: str) -> torch.Tensor:
         return ckpt.get(name).to(device)
 
     def weight(base: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = get(base + ".weight")
-        if not fp8:
+        if not precision.fp8_weights:
             return w.to(dtype), None
         w8, scale = (w, get(base + ".weight_scale").float().reshape(-1)) if ckpt.fp8 else quantize_weight(w)
-        return (w8, scale) if w8a8 else (dequantize_weight(w8, scale, dtype), None)
+        return (w8, scale) if precision.w8a8 else (dequantize_weight(w8, scale, dtype), None)
 
     def linear(layer: int, projs: tuple[str, ...], prologue: Prologue, silu_out: bool = False) -> DenseLoraLinear:
         pairs = [weight(weight_name(layer, p)) for p in projs]
         w = torch.cat([w for w, _ in pairs])
-        scale = torch.cat([s for _, s in pairs]) if fp8 and w8a8 else None
+        scale = torch.cat([s for _, s in pairs]) if precision.w8a8 else None
         if _branch_scale(cfg, projs) != 1.0:  # granite's residual_multiplier, folded into the branch's output
             if scale is not None:
                 scale = scale * cfg.residual_scale
@@ -55,7 +58,7 @@ def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str =
         # attention_bias puts one on o_proj too (Llama, Qwen3): a bias the checkpoint holds is never dropped
         if (cfg.qkv_bias and projs == GROUPS["qkv"]) or (projs == GROUPS["o"] and names[0] in ckpt.files):
             bias = torch.cat([get(n).float() for n in names]) * _branch_scale(cfg, projs)
-        if scale is not None:
+        if precision.w8a8:
             return Fp8LoraLinear(w, scale, bias, prologue, ops, silu_out, cfg.gemma)
         return DenseLoraLinear(w, bias, prologue, ops, silu_out, cfg.gemma)
 
@@ -80,8 +83,8 @@ def load_decoder(ckpt: Checkpoint, ops: ModuleType, device: torch.device | str =
             post_attn_norm=norm(pre + "post_attention_layernorm.weight") if cfg.gemma else None,
             post_mlp_norm=norm(pre + "post_feedforward_layernorm.weight") if cfg.gemma else None,
         ))
-    return Decoder(cfg, _embeddings(cfg, get("model.embed_tokens.weight"), dtype), layers, norm("model.norm.weight"),
-                   ops, _head_reader(ckpt))
+    return Decoder(cfg, precision, _embeddings(cfg, get("model.embed_tokens.weight"), dtype), layers,
+                   norm("model.norm.weight"), ops, _head_reader(ckpt))
 
 
 def _embeddings(cfg: ModelConfig, embed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

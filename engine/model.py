@@ -9,8 +9,9 @@ import torch
 
 from policyscan.engine.batch import PackedBatch, pack
 from policyscan.engine.config import ModelConfig, inv_freq
-from policyscan.kernels.reference import AttnShape, PrefixKV, RopeCols, rope_tables
 from policyscan.engine.layers import DenseLoraLinear
+from policyscan.engine.precision import Precision
+from policyscan.kernels.reference import AttnShape, PrefixKV, RopeCols, rope_tables
 
 
 @dataclass
@@ -28,9 +29,12 @@ class DecoderLayer:
 class Decoder:
     """Embeddings, layers, final norm, and per-policy head vectors W[Violation] - W[Compliant]."""
 
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: torch.Tensor,
-                 ops: ModuleType, head_rows: Callable[[list[int]], torch.Tensor]):
-        self.cfg, self.embed, self.layers, self.norm, self.ops = cfg, embed, layers, norm, ops
+    def __init__(self, cfg: ModelConfig, precision: Precision, embed: torch.Tensor, layers: list[DecoderLayer],
+                 norm: torch.Tensor, ops: ModuleType, head_rows: Callable[[list[int]], torch.Tensor]):
+        if embed.dtype != precision.dtype:
+            raise ValueError(f"the embeddings are {embed.dtype}, the precision computes in {precision.dtype}")
+        self.cfg, self.precision, self.embed, self.layers, self.norm = cfg, precision, embed, layers, norm
+        self.ops = ops
         self.head_rows = head_rows  # label ids -> rows of the output projection (fp32)
         self.head: torch.Tensor | None = None  # [n_policies, hidden] fp32, set by attach_policies
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
@@ -41,19 +45,16 @@ class Decoder:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.precision.dtype
 
     def rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """cos/sin [P, head_dim/2] fp32 covering positions < max_pos, computed in fp64. Grown on demand.
-        With FP8 activations (W8A8) rounded to fp16 and packed (reference.rope_tables) for the qkv GEMM's
-        epilogue: e4m3's per-token rounding (2^-4) dwarfs fp16's (2^-12). A bf16 engine keeps exact tables: with
-        fp16 ones its max |dp| against HF fp64 grew 1.5-2.2x on test_gpu_engine's models (30 sequences: llama
-        1.75e-3 -> 2.61e-3, qwen2 2.04e-3 -> 4.52e-3)."""
+        """cos/sin [P, head_dim/2] fp32 covering positions < max_pos, computed in fp64, rounded to fp16 and packed
+        where the precision says so (Precision.packed_rope). Grown on demand."""
         if self._rope_cache is None or self._rope_cache[0] < max_pos:
             size = max(max_pos, 4096)
             ang = torch.outer(torch.arange(size, dtype=torch.float64), inv_freq(self.cfg))
-            fp8 = bool(self.layers) and self.layers[0].qkv.quantized
-            tables = rope_tables(ang, packed=fp8)  # on the CPU, then moved: the same bits on every device
+            # on the CPU, then moved: the same bits on every device
+            tables = rope_tables(ang, packed=self.precision.packed_rope)
             self._rope_cache = (size, *(t.to(self.device) if t is not None else None for t in tables))
         return self._rope_cache[1:]
 

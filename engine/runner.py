@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from policyscan.engine.batch import pack
-from policyscan.engine.batcher import plan_batches
+from policyscan.engine.batch import pack, plan_batches
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.files import in_background
 from policyscan.engine.config import ModelConfig
@@ -19,10 +18,8 @@ from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.graphs import GraphedForward
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import Policy
+from policyscan.engine.precision import PRECISIONS, decide_precision
 from policyscan.engine.prompts import PromptBuilder, TextEncoder
-
-PRECISIONS = ("auto", "fp8", "bf16", "fp32")
-DTYPES = {"fp8": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def version(package: str = "policyscan") -> str:
@@ -43,9 +40,9 @@ class EngineSettings:
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
     cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/graphs.py)
     chat_template: str | None = None  # --chat-template; None: the policies' chat_template, else the model's
-    threads: int | None = None
+    threads: int | None = None  # CPU path only (reference.set_threads); None: default_threads(); f is the same
     # --precision auto runs bf16 when FP8 flipped more than this share of a policy's labeled verdicts
-    fp8_flip_limit: float = 0.01  # CPU path only (reference.set_threads); None: default_threads(); f is the same
+    fp8_flip_limit: float = 0.01
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -70,21 +67,6 @@ def default_threads() -> int:
     return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4))
 
 
-def choose_precision(requested: str, gpu: bool, policies: list[Policy], limit: float) -> tuple[str, str | None]:
-    """(precision, why auto did not take FP8 on a GPU, or None). auto: FP8 on a GPU unless a policy's recorded
-    FP8 check (calibrate) flipped more than `limit` of its labeled verdicts, then bf16; fp32 on the CPU."""
-    if requested != "auto":
-        return requested, None
-    if not gpu:
-        return "fp32", None
-    over = [(p.name, c["flip_share"]) for p in policies
-            if (c := p.calibration.get("fp8_check") or {}).get("flip_share", 0.0) > limit]
-    if not over:
-        return "fp8", None
-    return "bf16", ("FP8 flipped " + ", ".join(f"{s:.1%} of {n}'s labeled verdicts" for n, s in over)
-                    + f" (calibrate's check; limit {limit:.0%})")
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -106,23 +88,14 @@ class Engine:
         if not gpu:
             from policyscan.kernels import reference
             reference.set_threads(settings.threads or default_threads())
-        self.precision, self.precision_reason = choose_precision(settings.precision, gpu, policies,
-                                                                 settings.fp8_flip_limit)
         self.checkpoint = Checkpoint.open(model_dir)
         _check_offsets(self.checkpoint.config, settings.batch_tokens)
-        if self.checkpoint.fp8 and self.precision != "fp8":
-            self.precision = "fp8"  # the weights are FP8; computing in 16 bits would not make them more precise
+        self.precision, self.precision_reason = decide_precision(settings.precision, gpu, self.checkpoint.fp8,
+                                                                 policies, settings.fp8_flip_limit)
         self.encoder = TextEncoder(model_dir, chat_template=settings.chat_template, policies=policies)
         label_ids = [self.encoder.verdict_ids(p) for p in policies]
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
-        ops = _ops(gpu)
-        # asked for, FP8 on the CPU runs the GPU's W8A8 in its torch twins (a preview without a GPU); an FP8
-        # checkpoint under auto is dequantized to fp32 there, as the README says
-        w8a8 = self.precision == "fp8" and (gpu or settings.precision == "fp8")
-        dtype = DTYPES[self.precision] if gpu or w8a8 else (
-            torch.bfloat16 if self.precision == "bf16" else torch.float32)
-        self.decoder = load_decoder(self.checkpoint, ops, self.device, dtype, fp8=self.precision == "fp8",
-                                    w8a8=w8a8)
+        self.decoder = load_decoder(self.checkpoint, _ops(gpu), self.precision, self.device)
         attach_policies(self.decoder, policies, label_ids)
         self._prefix = None
         if settings.prefix_cache:
@@ -187,7 +160,7 @@ class Engine:
             "policyscan_version": version(), "torch_version": torch.__version__,
             "model": {"path": str(self.checkpoint.model_dir.resolve()), "sha256": self.model_sha256,
                       "arch": self.checkpoint.config.arch, "fp8_checkpoint": self.checkpoint.fp8},
-            "device": str(self.device), "precision": self.precision, "precision_reason": self.precision_reason,
+            "device": str(self.device), "precision": self.precision.name, "precision_reason": self.precision_reason,
             "tokenizer_backend": self.encoder.backend,
             "chat_template": self.encoder.describe_template(),
             # GPU results are reproducible bitwise only on the same GPU, CUDA and Triton (the kernels' code)
@@ -198,7 +171,7 @@ class Engine:
                           "labels": [p.compliant, p.violation], "verdict_token_ids": list(self.encoder.verdict_ids(p)),
                           "prefix": p.prefix, "suffix": p.suffix,
                           "calibration": {**p.calibration, "a": p.a, "b": p.b}, "threshold": p.threshold,
-                          "precision": self.precision}
+                          "precision": self.precision.name}
                          for p in self.policies],
         }
 

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from policyscan.kernels.fast_math import tanh
 from policyscan.kernels.reference import AttnShape, PrefixKV
+from policyscan.kernels.tuning import attention_tiles
 
 
 @triton.jit
@@ -169,7 +170,7 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
     written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, maxnreg)
-    overrides the tile choice (bench/sweep.py); row_amax: also return each row's max |out| per key/value head
+    overrides tuning.attention_tiles (bench/sweep.py); row_amax: also return each row's max |out| per key/value head
     group [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax)."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = qkv.shape[0]
@@ -197,20 +198,7 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         return (out, amax) if row_amax else out
     interpret = qkv.device.type == "cpu"
     G = H // Hkv
-    # BQ * G <= 64 rows (16 queries of 4 heads at W4's group, 21 of 3 at W1's), 32-key blocks, 4 warps,
-    # 3 stages: the best of 32 configs at both heads (bench/sweep.py attention; W1's group then padded
-    # to 4 heads), W1's 291 us against the one-head kernel's 301, W4's 185 against 208, with bitwise the same
-    # rows. maxnreg 168: three programs an SM instead of two (254 registers at W1's heads then, rotating q):
-    # W1's heads 330 -> 289 us, W4's 202 -> 201. On q rotated by the qkv GEMM, 128-wide heads take
-    # 2 stages and maxnreg 128 (four programs an SM): W1 +0.4% end to end, every one of 3 alternating passes
-    # (173.2k against 172.5k mean; 11.6 against 11.7 ms over a layer of its plan); at W4's
-    # 64-wide heads that lost 9% (9.3 against 8.6 ms), so narrower heads keep 3 stages and 168. Rescaling the
-    # accumulator only when a row maximum grows past 2^8 (FlashAttention-4's lazy rescale: a block-wide branch)
-    # lost 1.3% end to end at W1, 2.6% with 64-key blocks; exp2 as ex2.approx.ftz changed nothing
-    wide = D >= 128
-    cfg = dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1) if interpret else \
-        dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=2 if wide else 3, maxnreg=128 if wide else 168)
-    cfg.update(config or {})
+    cfg = {**attention_tiles(G, D, interpret), **(config or {})}
     BQ, BN = (1 if last_only else cfg["BQ"]), cfg["BN"]  # last_only: one query per sequence
     if last_only:
         grid, blk_seq, cu_blk = (B, Hkv), cu_seqlens, cu_seqlens

@@ -36,10 +36,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from policyscan.kernels.fast_math import rcp
 from policyscan.kernels.gluon_hopper import tma_load, tma_store
 from policyscan.kernels.launch import sm_count, tma_ok
-
-# A row block, and one TMA box of x: 64 bf16 columns are 128 bytes, the widest swizzle
-BM, BKS = 64, 64
-BP = 16  # partial maxima read a step
+from policyscan.kernels.tuning import (GP_BKS, GP_BM, GP_BP, GP_MAXNREG, GP_PROGRAMS_PER_SM, GP_STAGES, GP_SUB,
+                                       GP_WARPS)
 
 
 @gluon.jit
@@ -224,22 +222,21 @@ def usable(x: torch.Tensor, A: torch.Tensor | None, h: torch.Tensor) -> bool:
 
 def prologue_ws(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: torch.Tensor | None,
                 token_adapter: torch.Tensor, x_amax: torch.Tensor, h: torch.Tensor, hs: torch.Tensor,
-                s: torch.Tensor | None, sub: int = 2, stages: int = 3, programs_per_sm: int = 2) -> None:
+                s: torch.Tensor | None, sub: int = GP_SUB, stages: int = GP_STAGES,
+                programs_per_sm: int = GP_PROGRAMS_PER_SM) -> None:
     """Launcher; prologue.prologue has checked the arguments and `usable`. Writes h [M, K] e4m3, hs [M] and
-    s [M, R]. sub (64-column boxes a stage), stages and programs_per_sm are for sweeps: 2 boxes, 3 stages and two
-    programs an SM (112 KB of shared memory each at rank 64, 128 registers a thread) were the best of 8 rings for
-    the norm prologues and within 5% for the others."""
+    s [M, R]. sub (64-column boxes a stage), stages and programs_per_sm override tuning.GP_* for sweeps."""
     M, K = x.shape
     R = A.shape[1] if A is not None else 0
     BR = max(16, triton.next_power_of_2(max(R, 1)))
-    xd = TensorDescriptor.from_tensor(x, [BM, BKS], _layout(BM, BKS, gl.bfloat16))
-    hd = TensorDescriptor.from_tensor(h, [BM, BKS], _layout(BM, BKS, gl.float8e4nv))
+    xd = TensorDescriptor.from_tensor(x, [GP_BM, GP_BKS], _layout(GP_BM, GP_BKS, gl.bfloat16))
+    hd = TensorDescriptor.from_tensor(h, [GP_BM, GP_BKS], _layout(GP_BM, GP_BKS, gl.float8e4nv))
     a2 = A.view(-1, K) if A is not None else x
-    ad = TensorDescriptor.from_tensor(a2, [BR, BKS], _layout(BR, BKS, gl.bfloat16))
+    ad = TensorDescriptor.from_tensor(a2, [BR, GP_BKS], _layout(BR, GP_BKS, gl.bfloat16))
     progs = sm_count(x.device) * programs_per_sm
-    _prologue_ws_kernel[(min(triton.cdiv(M, BM), progs),)](
+    _prologue_ws_kernel[(min(triton.cdiv(M, GP_BM), progs),)](
         xd, ad, hd, norm_weight if norm_weight is not None else x, token_adapter, x_amax, hs,
         s if s is not None else hs, M, K, R, x_amax.shape[0], eps, x_amax.stride(0),
         s.stride(0) if s is not None else 0,
-        NORM=norm_weight is not None, HAS_LORA=A is not None, NUM_PROGS=progs, SUB=sub, STAGES=stages, BP=BP,
-        num_warps=4, **({"maxnreg": 128} if programs_per_sm > 1 else {}))
+        NORM=norm_weight is not None, HAS_LORA=A is not None, NUM_PROGS=progs, SUB=sub, STAGES=stages, BP=GP_BP,
+        num_warps=GP_WARPS, **({"maxnreg": GP_MAXNREG} if programs_per_sm > 1 else {}))

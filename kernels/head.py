@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from policyscan.kernels.fast_math import tanh
+from policyscan.kernels.tuning import head_warps
 
 
 @triton.jit
@@ -63,5 +64,5 @@ def head(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, head_rows: torc
         BH = triton.next_power_of_2(H)
         _head_kernel[(B,)](h, norm_weight, head_rows, seq_adapter, f, H, h.stride(0), head_rows.stride(0), eps,
                            softcap or 1.0, BH=BH, SOFTCAP=softcap is not None, LIB=h.device.type != "cpu",
-                           num_warps=8 if BH >= 2048 else 4)
+                           num_warps=head_warps(BH))
     return f

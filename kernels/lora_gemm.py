@@ -25,14 +25,12 @@ from policyscan.kernels.launch import sm_count, tma_ok
 from policyscan.kernels.reference import RopeCols
 from policyscan.kernels.rope import rope_cols
 from policyscan.kernels.spans import RankSpans
+from policyscan.kernels.tuning import WS_BN, WS_MIN_ROWS, gemm_tiles
 
 try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
     from policyscan.kernels import lora_gemm_ws
 except (ImportError, AttributeError):  # another Triton: the Triton kernel below takes every call
     lora_gemm_ws = None
-
-# FP8 batches of this many rows or more take the Gluon kernel on Hopper (measured crossover, see lora_gemm)
-WS_MIN_ROWS = 1025
 
 
 @triton.jit
@@ -163,34 +161,6 @@ def _lora_gemm_tma_kernel(
                   HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, AMAX, AMAX_W, BM, BN, BR, PREC)
 
 
-def _config(M: int, N: int, K: int, dtype: torch.dtype, interpret: bool) -> dict:
-    """Tile shape. BK is fixed per dtype: it sets the order of the K reduction, so a row's result is the
-    same whatever the batch (checked bitwise by test_lora_gemm_rows_do_not_depend_on_batch). BM/BN and the
-    feed (pointers or TMA, persistent or not) only choose which rows and columns share a program.
-
-    Large M: TMA-fed, persistent, 128x256x128, 8 warps, 3 stages, best at all four W1 shapes at 16k rows
-    (bench/sweep.py): 1068 / 969 / 1073 / 1155 TF/s for N,K = 5120,3072 / 3072,3072 / 16384,3072 /
-    3072,8192, against 1035 / 802 / 1023 / 953 for the pointer-fed kernel this replaced (which also used
-    128-wide N tiles below N=4096) and 1132 / 1087 / 1140 / 1197 for torch._scaled_mm. Small M: 128x256 tiles
-    leave most of the 132 SMs idle (36 tiles at M=300, N=3072: 2.9x bare _scaled_mm), so narrower
-    tiles there. The bf16 path keeps the pointer-fed tiles it was measured with."""
-    if interpret:
-        return dict(BM=16, BN=32, BK=32, GROUP_M=4, num_warps=4, num_stages=1)
-    bk = 128 if dtype == torch.float8_e4m3fn else 64
-    if dtype != torch.float8_e4m3fn:
-        if M <= 2048:
-            return dict(BM=64, BN=128, BK=bk, GROUP_M=8, num_warps=4, num_stages=4)
-        return dict(BM=128, BN=128 if N >= 2048 else 64, BK=bk, GROUP_M=8, num_warps=8, num_stages=3)
-    if M <= 256:
-        return dict(BM=64, BN=128, BK=bk, GROUP_M=8, num_warps=4, num_stages=4)
-    if M <= 2048:
-        # the widest tile that still gives 64 or more tiles: best or within 4% of the best of nine configs
-        # at M = 512 and 2048 on the four W1 shapes, 1.2-1.45x the 64x128 tiles used before
-        bn = 256 if triton.cdiv(M, 128) * triton.cdiv(N, 256) >= 64 else 128
-        return dict(BM=128, BN=bn, BK=bk, GROUP_M=8, num_warps=8, num_stages=3, TMA=True)
-    return dict(BM=128, BN=256, BK=bk, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSISTENT=True)
-
-
 def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
               s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
               bias: torch.Tensor | None, residual: torch.Tensor | None, out_dtype: torch.dtype,
@@ -198,7 +168,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
               row_amax: bool = False, amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None,
               rope: RopeCols | None = None, gelu: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.lora_gemm. x [M, K], W [N, K], B [n, N, R]; `out` is written
-    in place when given; `config` overrides the tile choice of the Triton kernel (bench/sweep.py).
+    in place when given; `config` overrides the Triton kernel's tiles (tuning.gemm_tiles; bench/sweep.py).
     row_amax: also return each tile's row maxima of |y| [N tiles, M] — of |y * amax_weight| when given (the
     next RMSNorm's weight) — which the next FP8 prologue reads instead of sweeping y for its scale
     (prologue's x_amax). spans: where B can be nonzero (kernels.spans.rank_spans(B)); the Gluon kernel then
@@ -206,7 +176,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     expand costs little, takes every rank). rope: q and k heads rotated as written (RopeCols): in the Gluon
     kernel's epilogue where it can (lora_gemm_ws.rope_ok), otherwise by the pass after (rope.rope_cols).
 
-    FP8 batches of WS_MIN_ROWS rows or more on a Hopper GPU go to the warp-specialized Gluon kernel
+    FP8 batches of tuning.WS_MIN_ROWS rows or more on a Hopper GPU go to the warp-specialized Gluon kernel
     (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes at 16k rows
     (bench/sweep.py gemm_ws). Both give bitwise the same rows (every case checked there, and
     tests/test_kernels.py::test_fp8_gemm_kernels_agree_bitwise), so the choice by M keeps batch invariance.
@@ -247,14 +217,10 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     if out is not None and (out.shape != (M, n_out) or out.dtype != out_dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{M}, {n_out}] {out_dtype} with a contiguous last dimension")
     y = out if out is not None else torch.empty((M, n_out), dtype=out_dtype, device=x.device)
-    # Small batches stay on the Triton kernel: at M = 300 its 13 us beat the ping-pong's 14 us (72 tiles of
-    # 128x128 leave each program one tile, so nothing overlaps; bench/run.py --gemm), and at
-    # 64-300 rows it wins at every rank, 1.04-1.85x, spilling or not. Past 1024 rows the Gluon kernel
-    # is ahead: a W1 layer's four GEMMs 1.02x at 1280 rows, 1.11-1.13x at 1536-2048; W4's 1.01x, 1.02-1.08x
-    # (at 768, 0.94x / 1.01x).
+    # small batches stay on the Triton kernel (tuning.WS_MIN_ROWS says why)
     if (not config and not gelu and M >= WS_MIN_ROWS and lora_gemm_ws is not None and x_scale is not None
             and lora_gemm_ws.usable(x, W, y, residual, B)):
-        amax = torch.empty((triton.cdiv(N, lora_gemm_ws.BN), M), dtype=torch.float32, device=x.device) \
+        amax = torch.empty((triton.cdiv(N, WS_BN), M), dtype=torch.float32, device=x.device) \
             if row_amax else None
         inside = rope is not None and lora_gemm_ws.rope_ok(rope)
         lora_gemm_ws.lora_gemm_ws(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, y, silu_out,
@@ -276,7 +242,7 @@ def _triton_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor,
     """The Triton kernels into y (arguments checked by lora_gemm); returns the row maxima when asked for."""
     (M, K), N = x.shape, W.shape[0]
     R = s.shape[1] if s is not None else 0
-    cfg = {**_config(M, N, K, x.dtype, x.device.type == "cpu"), **(config or {})}
+    cfg = {**gemm_tiles(M, N, x.dtype, x.device.type == "cpu"), **(config or {})}
     amax = torch.empty((triton.cdiv(N, cfg["BN"]), M), dtype=torch.float32, device=x.device) if row_amax else None
     if M == 0:
         return amax

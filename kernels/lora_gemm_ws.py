@@ -37,9 +37,7 @@ from policyscan.kernels.gluon_rope import rope_regs
 from policyscan.kernels.launch import sm_count, tma_ok
 from policyscan.kernels.reference import RopeCols
 from policyscan.kernels.spans import RankSpans
-
-# 4 stages of 32 KB + two 32 KB output tiles + two B slices: 200 KB of the 227 KB of shared memory
-BM, BN, BK, STAGES = 128, 128, 128, 4
+from policyscan.kernels.tuning import WS_BK, WS_BM, WS_BN, WS_MAXNREG, WS_STAGES, WS_WARPS, ws_group_m
 
 
 @gluon.jit
@@ -248,7 +246,7 @@ def rope_ok(rope: RopeCols) -> bool:
     """Whether the epilogue can rotate these heads (gluon_rope.py): whole heads of 64 or 128 columns in a tile,
     no head norms, packed tables. A Qwen3 norm's row sum would be reduced in another order than the rope pass's,
     so the rows would depend on which kernel ran: such heads take the pass (lora_gemm)."""
-    return BN % rope.head_dim == 0 and rope.head_dim >= 64 and not rope.normed and rope.packed is not None
+    return WS_BN % rope.head_dim == 0 and rope.head_dim >= 64 and not rope.normed and rope.packed is not None
 
 
 def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scale: torch.Tensor,
@@ -258,44 +256,37 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
                  amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None,
                  rope: RopeCols | None = None, group_m: int | None = None) -> torch.Tensor:
     """Launcher for FP8 x [M, K] and W [N, K] (row scales x_scale [M], w_scale [N]) into y; the caller,
-    kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`. amax [cdiv(N, BN), M] fp32,
+    kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`. amax [cdiv(N, WS_BN), M] fp32,
     when given, receives each tile's row maxima of |y| (of |y * amax_weight| with that [N] weight); spans
-    (kernels.spans, for blocks of BN columns) narrows each tile's expand; rope: q and k rotated as they are
-    written (`rope_ok`); `group_m` (row tiles a group in the grouped tile order) is for bench/sweep.py."""
+    (kernels.spans, for blocks of WS_BN columns) narrows each tile's expand; rope: q and k rotated as they are
+    written (`rope_ok`); `group_m` overrides tuning.ws_group_m (bench/sweep.py). Tiles: tuning.WS_*."""
     M, K = x.shape
     N = W.shape[0]
-    if amax is not None and (amax.shape != (triton.cdiv(N, BN), M) or amax.dtype != torch.float32
+    if amax is not None and (amax.shape != (triton.cdiv(N, WS_BN), M) or amax.dtype != torch.float32
                              or not amax.is_contiguous()):
-        raise ValueError(f"amax must be a contiguous fp32 [{triton.cdiv(N, BN)}, {M}]")
+        raise ValueError(f"amax must be a contiguous fp32 [{triton.cdiv(N, WS_BN)}, {M}]")
     if not usable(x, W, y, residual, B) or x_scale is None or w_scale is None:
         raise ValueError("lora_gemm_ws takes FP8 x and W with row scales on a Hopper GPU, TMA-aligned rows, "
                          "bf16 B; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
     if rope is not None and not (rope_ok(rope) and not silu_out and amax is None):
         raise ValueError("lora_gemm_ws rotates heads of 64 or 128 columns without norms, from packed tables "
                          "(reference.pack_rope), in a plain epilogue")
-    xd = TensorDescriptor.from_tensor(x, [BM, BK], smem_layout(BM, BK, True))
-    wd = TensorDescriptor.from_tensor(W, [BN, BK], smem_layout(BN, BK, True))
-    y_block = [BM, BN // 2 if silu_out else BN]
+    xd = TensorDescriptor.from_tensor(x, [WS_BM, WS_BK], smem_layout(WS_BM, WS_BK, True))
+    wd = TensorDescriptor.from_tensor(W, [WS_BN, WS_BK], smem_layout(WS_BN, WS_BK, True))
+    y_block = [WS_BM, WS_BN // 2 if silu_out else WS_BN]
     yd = TensorDescriptor.from_tensor(y, y_block, smem_layout(*y_block, False))
-    rd = TensorDescriptor.from_tensor(residual, [BM, BN], yd.layout) if residual is not None else yd
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    rd = TensorDescriptor.from_tensor(residual, [WS_BM, WS_BN], yd.layout) if residual is not None else yd
+    tiles = triton.cdiv(M, WS_BM) * triton.cdiv(N, WS_BN)
     if group_m is None:
-        # Grouped tile order: a group's row tiles share each W tile while it is in L2; at the 700 W cap W's DRAM
-        # re-reads are energy. W1's gate_up (50 MB of W), held for seconds: groups 1 / 4 / 16 1075 / 1156 / 1228
-        # TF/s, 16 / 24 / 32 1229 / 1249 / 1220; W1 end to end +0.5% at 24 (178.7k against
-        # 177.8k, every pass; with qkv at 24 too, none). Narrow N (o, down) at 12, not the 8 of burst
-        # timings: held at the cap o 1111 -> 1128 TF/s, down 1218 -> 1228; W1 end to end
-        # +0.23% every one of 4 alternating passes, 16 -0.2%. The order changes no output bit; a snake
-        # order lost 0.4% end to end.
-        group_m = 24 if N >= 16384 else 16 if N >= 4096 else 12
+        group_m = ws_group_m(N)
     sms = sm_count(x.device)
     R = s.shape[1] if s is not None else 0
     BR = max(16, triton.next_power_of_2(max(R, 1)))  # ranks a tile expands (in 64-rank pieces past 64)
-    use_spans = s is not None and spans is not None and spans.cols == BN and spans.width < BR
+    use_spans = s is not None and spans is not None and spans.cols == WS_BN and spans.width < BR
     if use_spans:
-        if spans.start.numel() != triton.cdiv(N, BN) or spans.start.device != x.device:
+        if spans.start.numel() != triton.cdiv(N, WS_BN) or spans.start.device != x.device:
             raise ValueError(f"spans has {spans.start.numel()} blocks on {spans.start.device}, "
-                             f"N = {N} needs {triton.cdiv(N, BN)} on {x.device}")
+                             f"N = {N} needs {triton.cdiv(N, WS_BN)} on {x.device}")
         BR = spans.width
     _lora_gemm_ws_kernel[(min(tiles, sms),)](
         xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
@@ -306,5 +297,6 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         HAS_LORA=s is not None, HAS_SPAN=use_spans, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SILU_OUT=silu_out, GROUP_M=group_m, NUM_PROGS=sms, AMAX=amax is not None, AMAX_W=amax_weight is not None,
-        STAGES=STAGES, BR=BR, ROPE_HALF=rope.head_dim // 2 if rope is not None else 0, num_warps=4, maxnreg=168)
+        STAGES=WS_STAGES, BR=BR, ROPE_HALF=rope.head_dim // 2 if rope is not None else 0, num_warps=WS_WARPS,
+        maxnreg=WS_MAXNREG)
     return y

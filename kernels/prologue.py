@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from policyscan.kernels.fast_math import rcp
+from policyscan.kernels.tuning import PROLOGUE_BP, prologue_tiles
 
 try:
     from policyscan.kernels import gluon_prologue
@@ -168,7 +169,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
              config: dict | None = None, x_amax: torch.Tensor | None = None, tma: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launcher; same semantics as reference.prologue. x [M, K]; `out` (h, h_scale, s) is written in place
-    when given; `config` (BM, BK, num_warps, num_stages, ONE_AD) overrides the tile choice (bench/sweep.py);
+    when given; `config` (BM, BK, num_warps, num_stages, ONE_AD) overrides tuning.prologue_tiles (bench/sweep.py);
     x_amax [P, M] fp32, partial row maxima of |x * norm weight| (or |x|) from the kernel that wrote x
     (lora_gemm's and varlen_attention's row_amax), spares a quantizing prologue its first sweep. tma: a
     quantizing call with x_amax runs gluon_prologue's TMA-fed kernel where it can (`usable`), which is faster
@@ -204,33 +205,8 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         gluon_prologue.prologue_ws(x, norm_weight, eps, A, token_adapter, x_amax, h, hs, s)
         return h, hs, s
     interpret = x.device.type == "cpu"
-    # Per kind, from bench/sweep.py at W1's and W4's shapes, each sweeping once: a norm 64-row
-    # programs, 4 warps (qkv 139 -> 89 us a 16k batch against 8 warps, gate_up 75 -> 71 against 32 rows).
-    # Quantizing without a norm, the single-adapter sweep (ONE_AD) at 64 rows and 256-wide chunks: o 72 -> 60
-    # us, down 190 -> 168, W4's o 49 -> 41 against the adapter loop at 32 rows; the 16-bit path was not measured
-    # with it. Quantizing with a norm, since its shrink reads x as loaded, the single-adapter sweep too, in
-    # 64-wide chunks 4 stages deep up to rank 32 and 128-wide at 33-64 (W1's 32k batch: gate_up's rank 32 149.0
-    # -> 95.8 us, qkv's 48 156.3 -> 115.9, against the u16 shrink's adapter loop; 64-wide chunks at 48: 150.6).
-    # The choice depends on K and R only, never on M (batch invariance).
     BR = max(16, triton.next_power_of_2(max(R, 1)))
-    if interpret:
-        cfg = dict(BM=16, BK=32, num_warps=4, ONE_AD=True)
-    elif norm_weight is not None and quant:
-        cfg = dict(BM=64, BK=64, num_warps=4, num_stages=4, ONE_AD=True) if BR <= 32 else \
-            dict(BM=64, BK=128, num_warps=4, ONE_AD=True)
-    elif norm_weight is not None:  # 16-bit: two sweeps
-        cfg = dict(BM=64 if R > 32 else 32, BK=128, num_warps=8 if R > 32 else 4, ONE_AD=False)
-    elif quant:  # 2 stages, not 3: 80 KB of shared memory a program, so two an SM where 120 KB left room for one;
-        # W1 +0.5% end to end in two A/Bs, every pass, f bitwise the same
-        cfg = dict(BM=64, BK=256, num_warps=4, num_stages=2, ONE_AD=True)
-    else:
-        cfg = dict(BM=32, BK=256, num_warps=4, ONE_AD=False)
-    cfg["BK"] = min(cfg["BK"], max(16, triton.next_power_of_2(K)))
-    # Stacked ranks past 64: the stages' x and A chunks must fit shared memory (quantizing without a norm at
-    # rank 96 asked for 262,144 of 232,448 bytes); 200 KiB keeps every config measured at ranks <= 64
-    while not interpret and cfg.get("num_stages", 3) * (BR + cfg["BM"]) * cfg["BK"] * x.element_size() > 200 << 10:
-        cfg["BK"] //= 2
-    cfg.update(config or {})
+    cfg = {**prologue_tiles(K, R, BR, norm_weight is not None, quant, x.element_size(), interpret), **(config or {})}
     BM, BK = cfg["BM"], cfg["BK"]
     dummy = h
     _prologue_kernel[(triton.cdiv(M, BM),)](
@@ -240,7 +216,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         A.stride(1) if A is not None else 0, s.stride(0) if s is not None else 0, x_amax.stride(0) if use_amax else 0,
         NORM=norm_weight is not None, QUANT=quant, HAS_LORA=A is not None, HAS_AMAX=use_amax,
         ONE_AD=cfg["ONE_AD"] and A is not None,
-        BM=BM, BK=BK, BR=BR, BP=16,
+        BM=BM, BK=BK, BR=BR, BP=PROLOGUE_BP,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", FAST=not interpret, num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3))
     return h, hs, s

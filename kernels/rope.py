@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from policyscan.kernels.reference import RopeCols
+from policyscan.kernels.tuning import rope_tiles
 
 
 @triton.jit
@@ -58,11 +59,11 @@ def rope_cols(y: torch.Tensor, rope: RopeCols) -> torch.Tensor:
         raise ValueError(f"rope positions {tuple(rope.positions.shape)} do not match y's {T} rows")
     if T == 0 or rope.cols == 0:
         return y
-    BM = 16 if y.device.type == "cpu" else 64
+    cfg = rope_tiles(y.device.type == "cpu")
     # the kernel selects between the two weights, so both need one pointer type (absent ones are never read)
     kn = rope.k_norm if rope.normed else rope.cos
     qn = rope.q_norm if rope.normed else rope.cos
-    _rope_kernel[(triton.cdiv(T, BM), rope.cols // D)](
+    _rope_kernel[(triton.cdiv(T, cfg["BM"]), rope.cols // D)](
         y, rope.positions, rope.cos, rope.sin, qn, kn, T, rope.q_cols // D, y.stride(0), rope.eps, HALF=D // 2,
-        BM=BM, BH=max(16, triton.next_power_of_2(D // 2)), NORM=rope.normed, num_warps=4)
+        BM=cfg["BM"], BH=max(16, triton.next_power_of_2(D // 2)), NORM=rope.normed, num_warps=cfg["num_warps"])
     return y

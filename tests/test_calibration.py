@@ -141,7 +141,7 @@ def test_calibrate_from_long_layout_scores(tmp_path, sample_slice):
 
 def test_calibrate_names_a_labeled_row_the_tokenizer_drops(tmp_path):
     """Every labeled row must be scored: one that encodes to nothing stops the fit, naming its file and row."""
-    from policyscan.cli.calibrate import _score
+    from policyscan.calibration.labeled import score_labeled
     from policyscan.engine.errors import InputError
     from policyscan.engine.policy import load_policies
     from policyscan.engine.runner import Engine, EngineSettings
@@ -154,6 +154,6 @@ def test_calibrate_names_a_labeled_row_the_tokenizer_drops(tmp_path):
     src.write_text("".join(json.dumps({"id": i, "text": t, "label": "Compliant"}) + "\n" for i, t in
                            enumerate(["hello there", "my card number is 4111", "VANISH"])))
     with pytest.raises(InputError, match=r"l\.jsonl, row 2: the conversation encodes to no tokens"):
-        _score(engine, [src], ReadSpec(), "label")
+        score_labeled(engine, [src], ReadSpec(), "label")
     with pytest.raises(ValueError, match="conversation 1 encodes to no tokens"):
         engine.score_conversations([np.array([5, 6]), np.array([], dtype=np.int64)])

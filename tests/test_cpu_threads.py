@@ -15,6 +15,7 @@ from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
+from policyscan.engine.precision import Precision
 from policyscan.engine.runner import Engine, EngineSettings
 from policyscan.kernels import reference
 
@@ -66,7 +67,7 @@ def test_rows_matmul_rows_independent_of_rows_and_threads(k, n):
 
 def test_f_bitwise_the_same_for_any_thread_count(tmp_path):
     dirs = make_bundle(tmp_path, "llama")
-    dec = load_decoder(Checkpoint.open(tmp_path / "model"), reference, "cpu", torch.float32)
+    dec = load_decoder(Checkpoint.open(tmp_path / "model"), reference, Precision(torch.float32), "cpu")
     attach_policies(dec, [load_policy(d) for d in dirs], [(3, 7), (11, 5), (20, 21)])
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 211, (int(n),), generator=g).tolist() for n in (5, 300, 40, 129, 1, 77)]

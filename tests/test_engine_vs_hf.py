@@ -11,6 +11,7 @@ from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
+from policyscan.engine.precision import Precision
 from policyscan.engine.quant import quantize_checkpoint
 from policyscan.kernels import reference
 
@@ -33,7 +34,7 @@ def build(tmp_path, arch, tie, shard, wide=False):
 
 
 def engine_f(model_dir, dirs, seqs, dtype=torch.float32, fp8=False, adapters=ADAPTERS):
-    dec = load_decoder(Checkpoint.open(model_dir), reference, dtype=dtype, fp8=fp8)
+    dec = load_decoder(Checkpoint.open(model_dir), reference, Precision(dtype, fp8_weights=fp8))
     attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
     return dec.forward(pack(seqs, adapters)).double()
 
@@ -86,7 +87,7 @@ def test_fp8_checkpoint_matches_hf_on_dequantized_weights(tmp_path):
         plain[name] = t.float() * scale.float() if scale is not None else t
     save_file(plain, deq_dir / "model.safetensors")
     (deq_dir / "config.json").write_text((tmp_path / "model" / "config.json").read_text())
-    ours = engine_f(fp8_dir, dirs, seqs)
+    ours = engine_f(fp8_dir, dirs, seqs, fp8=True)
     ref = hf_scores(deq_dir, dirs, seqs, ADAPTERS, LABELS, torch.float32)
     assert (ours - ref).abs().max().item() <= 1e-4
     full = engine_f(tmp_path / "model", dirs, seqs)
@@ -98,7 +99,7 @@ def test_fp8_checkpoint_matches_hf_on_dequantized_weights(tmp_path):
 def test_fp8_weights_requested_on_plain_checkpoint(tmp_path):
     dirs, seqs = build(tmp_path, "qwen2", False, None)
     a = engine_f(tmp_path / "model", dirs, seqs, fp8=True)
-    b = engine_f(quantize_checkpoint(tmp_path / "model", tmp_path / "fp8"), dirs, seqs)
+    b = engine_f(quantize_checkpoint(tmp_path / "model", tmp_path / "fp8"), dirs, seqs, fp8=True)
     assert torch.equal(a, b)
 
 
@@ -113,7 +114,7 @@ def test_triton_kernel_set_runs_the_decoder(tmp_path, arch):
     dirs, seqs = build(tmp_path, arch, False, None)
     out = {}
     for name, ops in (("reference", reference), ("triton", triton_ops)):
-        dec = load_decoder(Checkpoint.open(tmp_path / "model"), ops, dtype=torch.float32)
+        dec = load_decoder(Checkpoint.open(tmp_path / "model"), ops, Precision(torch.float32))
         attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
         plain = dec.forward(pack(seqs, ADAPTERS))
         cache = dec.prefill_prefixes([[1, 2, 3], [], [4, 5, 6, 7, 8]])

@@ -12,6 +12,7 @@ from policyscan.engine.config import ModelConfig
 from policyscan.engine.errors import CheckpointError
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
+from policyscan.engine.precision import Precision
 from policyscan.kernels import reference
 from policyscan.kernels.reference import AttnShape, PrefixKV
 
@@ -35,7 +36,7 @@ def sequences(seed: int, lengths: list[int] = LENGTHS) -> list[list[int]]:
 
 
 def decoder(model_dir, dirs, ops=reference, dtype=torch.float32):
-    dec = load_decoder(Checkpoint.open(model_dir), ops, dtype=dtype)
+    dec = load_decoder(Checkpoint.open(model_dir), ops, Precision(dtype))
     attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
     return dec
 

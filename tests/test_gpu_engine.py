@@ -9,13 +9,14 @@ from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
+from policyscan.engine.precision import Precision
 
 pytestmark = pytest.mark.gpu
 LABELS = [(3, 7), (11, 5), (20, 21)]
 
 
 def decoder(model_dir, dirs, ops, device, dtype, fp8=False, w8a8=False):
-    dec = load_decoder(Checkpoint.open(model_dir), ops, device, dtype, fp8=fp8, w8a8=w8a8)
+    dec = load_decoder(Checkpoint.open(model_dir), ops, Precision(dtype, fp8, w8a8), device)
     attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
     return dec
 

@@ -12,6 +12,7 @@ from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.graphs import fill, static_batch
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
+from policyscan.engine.precision import Precision
 from policyscan.kernels import reference
 
 LABELS = [(3, 7), (11, 5), (20, 21)]
@@ -21,7 +22,7 @@ LABELS = [(3, 7), (11, 5), (20, 21)]
 def dec(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
     dirs = make_bundle(root, "llama")
-    d = load_decoder(Checkpoint.open(root / "model"), reference, dtype=torch.float32)
+    d = load_decoder(Checkpoint.open(root / "model"), reference, Precision(torch.float32))
     attach_policies(d, [load_policy(p) for p in dirs], LABELS)
     return d
 

@@ -12,6 +12,7 @@ from policyscan.engine.batch import pack
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
+from policyscan.engine.precision import Precision
 
 LABELS = [(3, 7), (11, 5), (20, 21)]
 VARIANTS = [pytest.param("cpu", torch.float32, False, id="cpu-fp32"),
@@ -38,7 +39,7 @@ def decoder(bundle, device, dtype, fp8):
         if device == "cuda":
             from policyscan.kernels import triton_ops as ops
         root, dirs = bundle
-        dec = load_decoder(Checkpoint.open(root / "model"), ops, device, dtype, fp8=fp8, w8a8=fp8)
+        dec = load_decoder(Checkpoint.open(root / "model"), ops, Precision(dtype, fp8, fp8), device)
         attach_policies(dec, [load_policy(d) for d in dirs], LABELS)
         _DECODERS[key] = dec
     return _DECODERS[key]

@@ -14,6 +14,7 @@ from policyscan.engine.files import in_background
 from policyscan.engine.errors import CheckpointError, PolicyError
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
+from policyscan.engine.precision import Precision
 from policyscan.kernels import reference
 
 
@@ -81,7 +82,7 @@ def test_corrupt_safetensors(built, tmp_path):
 
 
 def attach(built, policy_dir):
-    dec = load_decoder(Checkpoint.open(built / "model"), reference)
+    dec = load_decoder(Checkpoint.open(built / "model"), reference, Precision(torch.float32))
     attach_policies(dec, [load_policy(policy_dir)], [(1, 2)])
 
 

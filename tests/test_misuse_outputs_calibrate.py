@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from cli_cases import SAMPLE
-from policyscan.cli.calibrate import _hashed
+from policyscan.calibration.labeled import id_fraction
 from policyscan.cli.main import cli
 
 SEED = 38
@@ -36,7 +36,7 @@ def _strict_json(text: str) -> dict:
 def test_an_all_one_class_holdout_writes_null_not_nan(tmp_path):
     bundle = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
     ids = [f"row{i}" for i in range(200)]
-    held = np.array([_hashed(i) < 0.25 for i in ids])
+    held = np.array([id_fraction(i) < 0.25 for i in ids])
     y = np.where(held, 0, np.arange(200) % 2).astype(bool)  # held-out rows: compliant only
     res = _calibrate(_scores(tmp_path / "s.parquet", ids, y), "--policy", bundle, "--from-scores")
     assert res.exit_code == 0, res.output
@@ -68,7 +68,7 @@ def test_before_is_the_policys_current_calibration(tmp_path):
     assert res.exit_code == 0 and f"current a = {a:.6g}, b = {b:.6g}" in res.output, res.output
     y = np.arange(120) % 3 == 0
     f = pq.read_table(src).column("f_pii").to_numpy()
-    hold = np.array([_hashed(i) < 0.25 for i in ids])
+    hold = np.array([id_fraction(i) < 0.25 for i in ids])
     p = 1 / (1 + np.exp(-(a * f[hold] + b)))
     brier = float(np.mean((p - y[hold]) ** 2))
     row = next(line for line in res.output.splitlines() if line.startswith("brier"))

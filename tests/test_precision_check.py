@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from policyscan.cli.main import cli
 from policyscan.engine.policy import load_policy
-from policyscan.engine.runner import choose_precision
+from policyscan.engine.precision import choose_precision
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 

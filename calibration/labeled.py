@@ -1,0 +1,112 @@
+"""calibrate's input: labeled conversations scored chunk by chunk through the scoring pipeline's reader, or the f
+column and labels of `score --raw` output. Either way, per row only its id, f and raw label are kept."""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from policyscan.engine.errors import InputError
+from policyscan.engine.pipeline import encode_chunk
+from policyscan.engine.runner import Engine
+from policyscan.engine.sources import ReadSpec, read_chunks
+
+
+@dataclass(frozen=True)
+class Labeled:
+    """Rows in input order: id, f (float64) and the label as the file holds it; `column` names the labels."""
+
+    ids: list
+    f: np.ndarray
+    labels: list
+    column: str
+
+    def __post_init__(self) -> None:
+        if not len(self.ids) == len(self.f) == len(self.labels):
+            raise ValueError(f"{len(self.ids)} ids, {len(self.f)} f values and {len(self.labels)} labels")
+
+
+def score_labeled(engine: Engine, files: list[Path], spec: ReadSpec, label_column: str | None) -> Labeled:
+    """f of every labeled row under the engine's (first) policy, in bounded memory: each chunk is read, encoded
+    and scored as `score` does it (batch invariance: the same f as any other batching). Every labeled row must
+    be scored: one that cannot be stops calibrate, naming its file and row."""
+    ids, f, labels, column = [], [], [], label_column or "label"
+    for path in files:
+        column = label_column or guess_label_column(path, engine.policies[0].name)
+        for chunk in read_chunks(path, dataclasses.replace(spec, keep=(column,)), engine.encoder.render):
+            chunk, convs = encode_chunk(engine, chunk)
+            for i, reason in enumerate(chunk.errors):
+                if reason is not None:
+                    raise InputError(f"{path}, row {chunk.first_row + i}: {reason}; fix the labeled data")
+            f.append(engine.score_conversations(convs)[0][:, 0].astype(np.float64))
+            ids += chunk.ids.to_pylist()
+            labels += chunk.keep[column].to_pylist()
+    return Labeled(ids, np.concatenate(f) if f else np.zeros(0), labels, column)
+
+
+def guess_label_column(path: Path, policy_name: str) -> str:
+    """`label`, else the policy's name, among the file's columns (a JSONL file's first line)."""
+    import pyarrow.parquet as pq
+
+    if path.name.endswith(".parquet"):
+        names = pq.ParquetFile(path).schema_arrow.names
+    else:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as fh:
+            names = list(json.loads(fh.readline()))
+    for guess in ("label", policy_name):
+        if guess in names:
+            return guess
+    raise InputError(f"{path}: no label column ('label' or {policy_name!r}) among {names}; pass --label-column")
+
+
+def read_scores(files: list[Path], name: str, label_column: str | None) -> Labeled:
+    """id, f_<name> and the labels from `score --raw --keep LABEL` outputs (wide or long layout)."""
+    import polars as pl
+
+    col = label_column or "label"
+    frames = [pl.read_parquet(p) if p.name.endswith(".parquet") else pl.read_ndjson(p) for p in files]
+    df = pl.concat(frames, how="diagonal_relaxed")
+    if "policy" in df.columns and "f" in df.columns:  # --layout long
+        df = df.filter(pl.col("policy") == name).rename({"f": f"f_{name}"})
+    for need in ("id", f"f_{name}", col):
+        if need not in df.columns:
+            raise InputError(f"{files[0]}: no column {need!r} among {df.columns}; score with --raw "
+                             f"--keep {col} to make calibration input")
+    return Labeled(df["id"].to_list(), df[f"f_{name}"].cast(pl.Float64).to_numpy(), df[col].to_list(), col)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The rows with a usable label: f, y (True: violation), the held-out rows (by id), the rows the fit uses and
+    those the metrics report on: the held-out ones, or every row when the holdout leaves either side empty."""
+
+    f: np.ndarray
+    y: np.ndarray
+    hold: np.ndarray
+    fit: np.ndarray
+    report: np.ndarray
+    held_out: bool
+
+    def __post_init__(self) -> None:
+        if not len(self.f) == len(self.y) == len(self.hold) == len(self.fit) == len(self.report):
+            raise ValueError("f, y and the row masks must have one length")
+
+
+def split_holdout(data: Labeled, y: list[int | None], share: float) -> Split:
+    """Rows whose label parsed (y from labels.parse_labels), held out where id_fraction(id) < share."""
+    ok = np.array([v is not None for v in y], dtype=bool)
+    hold = np.array([id_fraction(i) < share for i, k in zip(data.ids, ok) if k], dtype=bool)
+    both = bool(hold.any() and (~hold).any())
+    return Split(data.f[ok], np.array([v for v in y if v is not None], dtype=bool), hold,
+                 ~hold if both else np.ones_like(hold), hold if both else np.ones_like(hold), both)
+
+
+def id_fraction(id_) -> float:
+    """A fixed number in [0, 1) per id: the same rows are held out on every run."""
+    return int.from_bytes(hashlib.sha256(str(id_).encode()).digest()[:8], "big") / 2.0 ** 64
