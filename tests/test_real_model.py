@@ -93,7 +93,7 @@ def test_gpu_on_a_real_model_within_its_cpu_twin(tmp_path, smollm2, precision):
 
     pols = load_policies(prompt_only(tmp_path))
     cpu = Engine(smollm2, pols, EngineSettings("cpu", "fp32"))
-    convs = [np.asarray(x) for x in cpu.encoder.encode_batch(real_texts(100))]
+    convs = [np.asarray(x) for x in cpu.encoder.encode_batch(real_texts(60))]
     ref = cpu.score_conversations(convs)[0].astype(np.float64)
     del cpu
     twin = Engine(smollm2, pols, EngineSettings("cpu", precision)).score_conversations(convs)[0]
