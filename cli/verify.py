@@ -43,10 +43,19 @@ def verify(output: str, sample: int, device: str | None) -> None:
     inputs = [_input_path(rec, out) for rec in meta["inputs"]]
     policies = [_recorded_policy(rec) for rec in meta["policies"]]
     s = meta["settings"]
+    run_device = str(meta["device"]).split(":")[0]
+    device = device or run_device
+    # On the run's kind of device, the run's own request decides again (an FP8 checkpoint under auto on the CPU
+    # is fp32 on dequantized weights, where asking for "fp8" would take the W8A8 preview); elsewhere, its outcome.
+    same = device == run_device
     engine = Engine(meta["model"]["path"], policies,
-                    EngineSettings(device or str(meta["device"]).split(":")[0], meta["precision"],
-                                   s["batch_tokens"], s["max_length"], cuda_graphs=s.get("cuda_graphs", True),
-                                   chat_template=s.get("chat_template")))
+                    EngineSettings(device, s["precision"] if same else meta["precision"], s["batch_tokens"],
+                                   s["max_length"], cuda_graphs=s.get("cuda_graphs", True),
+                                   chat_template=s.get("chat_template"),
+                                   fp8_flip_limit=s.get("fp8_flip_limit", 0.01)))
+    if engine.precision.name != meta["precision"]:
+        raise PolicyscanError(f"the run computed in {meta['precision']}, this machine would in "
+                              f"{engine.precision.name}; verify on a {run_device} device")
     if engine.encoder.describe_template() != meta.get("chat_template"):
         raise PolicyscanError(f"the chat template changed since the run: {meta.get('chat_template')} then, "
                               f"{engine.encoder.describe_template()} now")
