@@ -81,48 +81,58 @@ def mixed(w8a8, bf16, keep) -> object:
     return w8a8
 
 
+def setup(model: str, n_texts: int, first: int = 0):
+    """The real model's fp32 engine (the reference) with the policies above, and the (conversation, policy) pairs
+    of sample texts [first, first + n_texts): (checkpoint, policies, engine, token ids, adapters, label ids)."""
+    ckpt = Checkpoint.open(model)
+    c = ckpt.config
+    with tempfile.TemporaryDirectory() as tmp:  # the adapters are read into memory at load
+        pols = load_policies(policies(Path(tmp), c.hidden, c.intermediate, c.layers, c.heads, c.kv_heads, c.head_dim))
+    eng = Engine(model, pols, EngineSettings("cpu", "fp32", prefix_cache=False))
+    return (ckpt, pols, eng, *pairs(eng, texts(first + n_texts)[first:]), [eng.encoder.verdict_ids(p) for p in pols])
+
+
+def pairs(eng: Engine, batch: list[str]) -> tuple[list[list[int]], list[int]]:
+    """Every text under every policy: token ids and adapter indices."""
+    convs = [np.asarray(x) for x in eng.encoder.encode_batch(batch)]
+    return [b.build(cv)[0] for cv in convs for b in eng.builders], [a for _ in convs for a in range(len(eng.builders))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--texts", type=int, default=40)
     args = ap.parse_args()
-    ckpt = Checkpoint.open(args.model)
+    ckpt, pols, eng, seqs, ads, labels = setup(args.model, args.texts)
     c = ckpt.config
-    with tempfile.TemporaryDirectory() as tmp:
-        pols = load_policies(policies(Path(tmp), c.hidden, c.intermediate, c.layers, c.heads, c.kv_heads, c.head_dim))
-        eng = Engine(args.model, pols, EngineSettings("cpu", "fp32", prefix_cache=False))
-        convs = [np.asarray(x) for x in eng.encoder.encode_batch(texts(args.texts))]
-        seqs = [b.build(cv)[0] for cv in convs for b in eng.builders]
-        ads = [a for _ in convs for a in range(len(pols))]
-        labels = [eng.encoder.verdict_ids(p) for p in pols]
 
-        def dec(dtype, fp8=False, w8a8=False):
-            d = load_decoder(ckpt, reference, Precision(dtype, fp8_weights=fp8, w8a8=w8a8))
-            attach_policies(d, pols, labels)
-            return d
+    def dec(dtype, fp8=False, w8a8=False):
+        d = load_decoder(ckpt, reference, Precision(dtype, fp8_weights=fp8, w8a8=w8a8))
+        attach_policies(d, pols, labels)
+        return d
 
-        ref = forward(eng.decoder, seqs, ads)
-        L = c.layers
-        variants = {
-            "bf16 engine": lambda: dec(torch.bfloat16),
-            "FP8 weights only (bf16 activations)": lambda: dec(torch.bfloat16, fp8=True),
-            "W8A8 (the GPU default)": lambda: dec(torch.bfloat16, True, True),
-            **{f"W8A8, {g} in bf16": (lambda g=g: mixed(dec(torch.bfloat16, True, True), dec(torch.bfloat16),
-                                                        [(i, g) for i in range(L)])) for g in GROUPS},
-            "W8A8, first and last layer in bf16": lambda: mixed(dec(torch.bfloat16, True, True), dec(torch.bfloat16),
-                                                                [(i, g) for i in (0, L - 1) for g in GROUPS]),
-            "W8A8, first 2 and last 2 layers in bf16": lambda: mixed(
-                dec(torch.bfloat16, True, True), dec(torch.bfloat16), [(i, g) for i in (0, 1, L - 2, L - 1)
-                                                                      for g in GROUPS]),
-        }
-        med = np.median(ref)
-        print(f"{len(seqs)} (conversation, policy) pairs, f_ref std {ref.std():.3f}\n", file=sys.stderr)
-        print("| variant | error | flips at the median |\n|---|---|---|")
-        for name, make in variants.items():
-            f = forward(make(), seqs, ads)
-            err = np.sqrt(np.mean((f - ref) ** 2)) / ref.std()
-            flips = int(((f > med) != (ref > med)).sum())
-            print(f"| {name} | {err:.3f} | {flips} |", flush=True)
+    ref = forward(eng.decoder, seqs, ads)
+    L = c.layers
+    variants = {
+        "bf16 engine": lambda: dec(torch.bfloat16),
+        "FP8 weights only (bf16 activations)": lambda: dec(torch.bfloat16, fp8=True),
+        "W8A8 (the GPU default)": lambda: dec(torch.bfloat16, True, True),
+        **{f"W8A8, {g} in bf16": (lambda g=g: mixed(dec(torch.bfloat16, True, True), dec(torch.bfloat16),
+                                                    [(i, g) for i in range(L)])) for g in GROUPS},
+        "W8A8, first and last layer in bf16": lambda: mixed(dec(torch.bfloat16, True, True), dec(torch.bfloat16),
+                                                            [(i, g) for i in (0, L - 1) for g in GROUPS]),
+        "W8A8, first 2 and last 2 layers in bf16": lambda: mixed(
+            dec(torch.bfloat16, True, True), dec(torch.bfloat16), [(i, g) for i in (0, 1, L - 2, L - 1)
+                                                                  for g in GROUPS]),
+    }
+    med = np.median(ref)
+    print(f"{len(seqs)} (conversation, policy) pairs, f_ref std {ref.std():.3f}\n", file=sys.stderr)
+    print("| variant | error | flips at the median |\n|---|---|---|")
+    for name, make in variants.items():
+        f = forward(make(), seqs, ads)
+        err = np.sqrt(np.mean((f - ref) ** 2)) / ref.std()
+        flips = int(((f > med) != (ref > med)).sum())
+        print(f"| {name} | {err:.3f} | {flips} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -21,13 +20,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fp8_error import forward, policies, texts  # noqa: E402
+from fp8_error import forward, pairs, setup, texts  # noqa: E402
 
 from policyscan.engine import loader  # noqa: E402
 from policyscan.engine.checkpoint import Checkpoint  # noqa: E402
-from policyscan.engine.policy import load_policies  # noqa: E402
 from policyscan.engine.precision import Precision  # noqa: E402
-from policyscan.engine.runner import Engine, EngineSettings  # noqa: E402
 from policyscan.kernels import reference  # noqa: E402
 from policyscan.kernels.reference import FP8, FP8_MAX  # noqa: E402
 
@@ -180,35 +177,25 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=30)
     ap.add_argument("--only", default=None, help="substrings of option names, separated by |")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    ckpt = Checkpoint.open(args.model)
-    c = ckpt.config
-    with tempfile.TemporaryDirectory() as tmp:
-        pols = load_policies(policies(Path(tmp), c.hidden, c.intermediate, c.layers, c.heads, c.kv_heads, c.head_dim))
-        eng = Engine(args.model, pols, EngineSettings("cpu", "fp32", prefix_cache=False))
-        convs = [np.asarray(x) for x in eng.encoder.encode_batch(texts(args.texts))]
-        seqs = [b.build(cv)[0] for cv in convs for b in eng.builders]
-        ads = [a for _ in convs for a in range(len(pols))]
-        labels = [eng.encoder.verdict_ids(p) for p in pols]
-        ref = forward(eng.decoder, seqs, ads)
-        med = np.median(ref)
-        print(f"{len(seqs)} (conversation, policy) pairs, f_ref std {ref.std():.3f}\n", file=sys.stderr)
-        print("| option | error | flips at the median |\n|---|---|---|")
+    ckpt, pols, eng, seqs, ads, labels = setup(args.model, args.texts)
+    ref = forward(eng.decoder, seqs, ads)
+    med = np.median(ref)
+    print(f"{len(seqs)} (conversation, policy) pairs, f_ref std {ref.std():.3f}\n", file=sys.stderr)
+    print("| option | error | flips at the median |\n|---|---|---|")
 
-        def report(name: str, f: np.ndarray) -> None:
-            err = np.sqrt(np.mean((f - ref) ** 2)) / ref.std()
-            print(f"| {name} | {err:.3f} | {int(((f > med) != (ref > med)).sum())} |", flush=True)
-        for name, (wq, aq) in OPTIONS.items():
-            if args.only and not any(s in name for s in args.only.split("|")):
-                continue
-            report(name, forward(decoder(ckpt, pols, labels, wq, aq), seqs, ads))
-        calib_convs = [np.asarray(x) for x in eng.encoder.encode_batch(texts(args.texts + 30)[args.texts:])]
-        calib = ([b.build(cv)[0] for cv in calib_convs for b in eng.builders],
-                 [a for _ in calib_convs for a in range(len(pols))])
-        for name, (wq, aq, alpha) in SMOOTHED.items():
-            if args.only and not any(s in name for s in args.only.split("|")):
-                continue
-            report(name, forward(smoothed(ckpt, pols, labels, calib, wq, aq, alpha), seqs, ads))
+    def report(name: str, f: np.ndarray) -> None:
+        err = np.sqrt(np.mean((f - ref) ** 2)) / ref.std()
+        print(f"| {name} | {err:.3f} | {int(((f > med) != (ref > med)).sum())} |", flush=True)
+
+    for name, (wq, aq) in OPTIONS.items():
+        if args.only and not any(s in name for s in args.only.split("|")):
+            continue
+        report(name, forward(decoder(ckpt, pols, labels, wq, aq), seqs, ads))
+    calib = pairs(eng, texts(args.texts + 30)[args.texts:])
+    for name, (wq, aq, alpha) in SMOOTHED.items():
+        if args.only and not any(s in name for s in args.only.split("|")):
+            continue
+        report(name, forward(smoothed(ckpt, pols, labels, calib, wq, aq, alpha), seqs, ads))
 
 
 if __name__ == "__main__":
