@@ -1,6 +1,8 @@
 """Conversation x policy -> token ids: [BOS] + enc(prefix) + enc(conversation) + enc(suffix).
 
-Each piece is encoded without special tokens. gigatoken is the fast path (about 70x faster than
+Each piece is encoded without special tokens; a SentencePiece-style tokenizer's '▁' before the text (Llama 2,
+Mistral) goes on the prefix only, as in the whole prompt's tokenization: what follows is encoded with the
+tokenizer's continuation form (`_continuation`). gigatoken is the fast path (about 70x faster than
 `tokenizers` on 2 cores, measured on byte-level BPE); it is used only after it agreed with `tokenizers`
 on probe texts, and any tokenizer it refuses falls back to `tokenizers`.
 """
@@ -34,14 +36,17 @@ class TextEncoder:
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no tokenizer.json; policyscan needs the fast-tokenizer file")
         self.tok = Tokenizer.from_file(str(path))
-        self.fast = _gigatoken(path, self.tok) if fast else None
+        self.cont = _continuation(self.tok)
+        # gigatoken encodes as the file says, prepending included: a continuation form runs on `tokenizers`
+        self.fast = _gigatoken(path, self.tok) if fast and self.cont is None else None
         plain = self.tok.encode("a", add_special_tokens=False).ids
         full = self.tok.encode("a", add_special_tokens=True).ids
         self.bos: int | None = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
         cfg_path = model_dir / "tokenizer_config.json"
         self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.chat_template = choose_template(model_dir, self.tokenizer_config, chat_template, policies)
-        self.backend = "gigatoken" if self.fast is not None else "tokenizers"
+        self.backend = ("gigatoken" if self.fast is not None else "tokenizers"
+                        + (" (continuation form: no '▁' before a conversation, suffix or label)" if self.cont else ""))
         self.fast_texts = 0  # texts gigatoken encoded (and was trusted with) so far
 
     def encode_batch(self, texts: list[str], spot_checks: int = 8, full_checks: int = 4096) -> list[list[int]]:
@@ -61,10 +66,15 @@ class TextEncoder:
             self.fast = None
             self.backend = (f"tokenizers (gigatoken disagreed on a conversation; it had encoded {self.fast_texts} "
                             f"texts before, the first {min(self.fast_texts, full_checks)} checked in full)")
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in (self.cont or self.tok).encode_batch(texts, add_special_tokens=False)]
 
     def encode(self, text: str) -> list[int]:
+        """A piece that follows other text (a conversation, a suffix)."""
         return self.encode_batch([text])[0]
+
+    def encode_first(self, text: str) -> list[int]:
+        """The piece that opens the prompt's text (a policy's prefix)."""
+        return self.tok.encode(text, add_special_tokens=False).ids
 
     def render(self, messages: list[dict]) -> str:
         """A messages list as text, through the run's chat template."""
@@ -79,7 +89,7 @@ class TextEncoder:
     def verdict_ids(self, policy: Policy) -> tuple[int, int]:
         """(compliant, violation) token ids the verdict reads: each label's first token, as a guard model's card
         reads P(unsafe) from the first generated token; refused when the two labels start with the same token."""
-        c, v = (self.tok.encode(label, add_special_tokens=False).ids for label in (policy.compliant, policy.violation))
+        c, v = (self.encode(label) for label in (policy.compliant, policy.violation))
         where = f"policy {policy.name!r} ({policy.path})"
         for label, ids in ((policy.compliant, c), (policy.violation, v)):
             if not ids:
@@ -93,7 +103,35 @@ class TextEncoder:
 
     def label_tokens(self, label: str) -> list[str]:
         """The tokens a label encodes to (what `inspect` shows)."""
-        return [self.tok.id_to_token(i) for i in self.tok.encode(label, add_special_tokens=False).ids]
+        return [self.tok.id_to_token(i) for i in self.encode(label)]
+
+
+def _continuation(tok: Tokenizer) -> Tokenizer | None:
+    """The tokenizer as it encodes text that follows other text, or None when that is the tokenizer itself. A
+    SentencePiece-style tokenizer puts '▁' before the start of what it encodes (a Prepend normalizer, or a
+    Metaspace pre-tokenizer that prepends): inside a prompt that holds for the prompt's first piece only."""
+    spec = json.loads(tok.to_str())
+    changed = False
+
+    def strip(node: dict | None) -> dict | None:
+        nonlocal changed
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "Prepend":
+            changed = True
+            return None
+        if node.get("type") == "Metaspace" and (node.get("prepend_scheme", "always") != "never"
+                                                or node.get("add_prefix_space")):
+            changed = True
+            node = {**node, "prepend_scheme": "never", "add_prefix_space": False}
+        for key in ("normalizers", "pretokenizers"):
+            if isinstance(node.get(key), list):
+                node[key] = [n for n in (strip(n) for n in node[key]) if n is not None]
+        return node
+
+    spec["normalizer"] = strip(spec.get("normalizer"))
+    spec["pre_tokenizer"] = strip(spec.get("pre_tokenizer"))
+    return Tokenizer.from_str(json.dumps(spec)) if changed else None
 
 
 def _gigatoken(path: Path, tok: Tokenizer):
@@ -125,7 +163,12 @@ class PromptBuilder:
 
     @classmethod
     def for_policy(cls, enc: TextEncoder, policy: Policy, max_length: int) -> "PromptBuilder":
-        return cls(tuple([enc.bos] if enc.bos is not None else []), tuple(enc.encode(policy.prefix)),
+        if enc.cont is not None and not policy.prefix:
+            raise PolicyError(f"policy {policy.name!r} ({policy.path}) has no template prefix, so the conversation "
+                              "would open the prompt's text, and this model's tokenizer puts '▁' before a text's "
+                              "start: the conversation's tokens would depend on the policy. Give the policy a "
+                              "prefix (e.g. the model's instruction header, such as '[INST] ')")
+        return cls(tuple([enc.bos] if enc.bos is not None else []), tuple(enc.encode_first(policy.prefix)),
                    tuple(enc.encode(policy.suffix)), max_length)
 
     @property
