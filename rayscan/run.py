@@ -106,7 +106,8 @@ def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings
         if (model_dir / "tokenizer_config.json").is_file() else {}
     template = choose_template(model_dir, cfg, settings.chat_template, policies)
     kwargs = dict(model=model, policies=bundles, settings=settings, text_column=TEXT, error_column=ERROR,
-                  keep=(*spec.keep, SOURCE), raw=True, truncation=True, max_chars=spec.max_chars, provenance=True)
+                  keep=(*spec.keep, SOURCE), raw=True, truncation=True, max_chars=spec.max_chars, provenance=True,
+                  checked=True)
     batches = iter(())
     if units:
         # read with one character more than the limit: the scorer clips the rest and counts which texts it cut

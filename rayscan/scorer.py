@@ -51,7 +51,7 @@ class PolicyScorer:
                  messages_column: str | None = None, id_column: str | None = None, path_column: str = "path",
                  row_column: str = "row", error_column: str | None = None, keep: Sequence[str] = (),
                  raw: bool = False, truncation: bool = False, max_chars: int | None = None,
-                 provenance: bool = False):
+                 provenance: bool = False, checked: bool = False):
         if isinstance(settings, dict):
             settings = EngineSettings(**settings)
         settings = settings or EngineSettings()
@@ -63,6 +63,7 @@ class PolicyScorer:
                              max_chars=max_chars or clip_chars(settings.max_length))
         self.path_column, self.row_column, self.error_column = path_column, row_column, error_column
         self.raw, self.truncation, self.provenance = raw, truncation, provenance
+        self.checked = checked  # texts already checked and rendered by policyscan's readers (score --ray)
         self.engine = Engine(Path(model), pols, settings)
         self.names = [p.name for p in self.engine.policies]
         self.budgets = np.array([b.budget for b in self.engine.builders], dtype=np.int64)
@@ -104,7 +105,8 @@ class PolicyScorer:
         column, is_messages = pick_column(self.spec, batch.column_names, _WHERE)
         upstream = batch.column(self.error_column).to_pylist() if self.error_column else [None] * batch.num_rows
         render = self.engine.encoder.render
-        pairs = [(None, e) if e is not None else conversation(v, is_messages, render)
+        # a checked text is not checked again: the reader's one-past-the-limit tail may be all whitespace
+        pairs = [(None, e) if e is not None else (v, None) if self.checked else conversation(v, is_messages, render)
                  for v, e in zip(batch.column(column).to_pylist(), upstream)]
         texts = [t for t, _ in pairs]
         clipped = np.array([t is not None and len(t) > self.spec.max_chars for t in texts], dtype=bool)

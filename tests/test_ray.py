@@ -34,13 +34,15 @@ def arm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs(sample_slice, tmp_path_factory) -> list[Path]:
-    """The sample slice as Parquet of 5 row groups (5 units: 5 batches), and 12 JSONL lines with bad ones and a
-    conversation too long to keep whole (clipped)."""
+    """The sample slice as Parquet of 5 row groups (5 units: 5 batches), and 12 JSONL lines with bad ones and
+    conversations too long to keep whole (clipped)."""
     d = tmp_path_factory.mktemp("ray_in")
     pq.write_table(pq.read_table(sample_slice["parquet"]), d / "logs.parquet", row_group_size=8)
     lines = sample_slice["jsonl"].read_text().splitlines()[:12]
     lines[2], lines[7] = "{not json", '{"id": "x", "messages": []}'
     lines[10] = json.dumps({"id": "long", "messages": [{"role": "user", "content": "word " * 14000}]})
+    # clipped to its last characters, all blank: still the conversation the reader checked whole
+    lines[11] = json.dumps({"id": "blank-tail", "messages": [{"role": "user", "content": "my SSN?" + " " * 70000}]})
     (d / "more.jsonl").write_text("\n".join(lines[:5] + [""] + lines[5:]) + "\n")
     return [d / "logs.parquet", d / "more.jsonl"]
 
@@ -77,7 +79,7 @@ def test_score_on_ray_writes_the_local_outputs_bit_for_bit_and_skips_them_next_t
         assert pq.read_table(out / name).equals(pq.read_table(local / name)), name
         _same_run(_meta(out / name), _meta(local / name))
         assert _meta(out / name)["ray"]["actors"] == 1
-    assert _meta(out / "more.scores.parquet")["accounting"]["clipped_conversations"] == 1
+    assert _meta(out / "more.scores.parquet")["accounting"]["clipped_conversations"] == 2
     errors = (out / "more.scores.parquet.errors.jsonl").read_text()
     assert errors == (local / "more.scores.parquet.errors.jsonl").read_text()
     assert [json.loads(e)["line"] for e in errors.splitlines()] == [3, 9]  # the blank line 6 is no row
