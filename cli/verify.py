@@ -16,6 +16,7 @@ from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.policy import load_policy
+from policyscan.engine.precision import Precision
 from policyscan.engine.runner import Engine, EngineSettings
 from policyscan.engine.sinks import read_metadata
 from policyscan.engine.sources import ReadSpec, read_chunks
@@ -43,19 +44,14 @@ def verify(output: str, sample: int, device: str | None) -> None:
     inputs = [_input_path(rec, out) for rec in meta["inputs"]]
     policies = [_recorded_policy(rec) for rec in meta["policies"]]
     s = meta["settings"]
-    run_device = str(meta["device"]).split(":")[0]
-    device = device or run_device
-    # On the run's kind of device, the run's own request decides again (an FP8 checkpoint under auto on the CPU
-    # is fp32 on dequantized weights, where asking for "fp8" would take the W8A8 preview); elsewhere, its outcome.
-    same = device == run_device
+    # the run's arithmetic as recorded (an FP8 checkpoint on the CPU is fp32 on dequantized weights, which the name
+    # "fp8" alone would re-run as the W8A8 preview); outputs from before it was recorded: the name
+    numerics = meta.get("numerics")
     engine = Engine(meta["model"]["path"], policies,
-                    EngineSettings(device, s["precision"] if same else meta["precision"], s["batch_tokens"],
+                    EngineSettings(device or str(meta["device"]).split(":")[0], meta["precision"], s["batch_tokens"],
                                    s["max_length"], cuda_graphs=s.get("cuda_graphs", True),
-                                   chat_template=s.get("chat_template"),
-                                   fp8_flip_limit=s.get("fp8_flip_limit", 0.01)))
-    if engine.precision.name != meta["precision"]:
-        raise PolicyscanError(f"the run computed in {meta['precision']}, this machine would in "
-                              f"{engine.precision.name}; verify on a {run_device} device")
+                                   chat_template=s.get("chat_template")),
+                    precision=Precision.from_record(numerics) if numerics else None)
     if engine.encoder.describe_template() != meta.get("chat_template"):
         raise PolicyscanError(f"the chat template changed since the run: {meta.get('chat_template')} then, "
                               f"{engine.encoder.describe_template()} now")

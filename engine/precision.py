@@ -30,6 +30,17 @@ class Precision:
         if self.w8a8 and self.dtype != torch.bfloat16:
             raise ValueError(f"W8A8 is the GPU kernels' arithmetic, with bf16 activations, not {self.dtype}")
 
+    def record(self) -> dict:
+        """What the outputs' metadata records of the arithmetic, all that `from_record` needs to repeat it."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "fp8_weights": self.fp8_weights, "w8a8": self.w8a8}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "Precision":
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(rec.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"recorded numerics name no known compute dtype: {rec!r}")
+        return cls(dtype, bool(rec.get("fp8_weights")), bool(rec.get("w8a8")))
+
     @property
     def name(self) -> str:
         """What the outputs' metadata records: fp8 whenever the base weights went through e4m3."""

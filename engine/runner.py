@@ -18,7 +18,7 @@ from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.graphs import GraphedForward
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import Policy
-from policyscan.engine.precision import PRECISIONS, decide_precision
+from policyscan.engine.precision import PRECISIONS, Precision, decide_precision
 from policyscan.engine.prompts import PromptBuilder, TextEncoder
 
 
@@ -78,7 +78,9 @@ def resolve_device(name: str) -> torch.device:
 class Engine:
     """Loads the model and policies once; `score` runs packed multi-LoRA batches and returns f per prompt."""
 
-    def __init__(self, model_dir: str | Path, policies: list[Policy], settings: EngineSettings = EngineSettings()):
+    def __init__(self, model_dir: str | Path, policies: list[Policy], settings: EngineSettings = EngineSettings(),
+                 precision: Precision | None = None):
+        """precision: compute exactly so (`verify` repeating a run), instead of deciding from the settings."""
         if not policies:
             raise PolicyscanError("no policies given: pass --policies DIR (a bundle or a folder of bundles)")
         self.load_started = time.perf_counter()
@@ -90,8 +92,8 @@ class Engine:
             reference.set_threads(settings.threads or default_threads())
         self.checkpoint = Checkpoint.open(model_dir)
         _check_offsets(self.checkpoint.config, settings.batch_tokens)
-        self.precision, self.precision_reason = decide_precision(settings.precision, gpu, self.checkpoint.fp8,
-                                                                 policies, settings.fp8_flip_limit)
+        self.precision, self.precision_reason = (precision, None) if precision is not None else decide_precision(
+            settings.precision, gpu, self.checkpoint.fp8, policies, settings.fp8_flip_limit)
         self.encoder = TextEncoder(model_dir, chat_template=settings.chat_template, policies=policies)
         label_ids = [self.encoder.verdict_ids(p) for p in policies]
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
@@ -161,6 +163,7 @@ class Engine:
             "model": {"path": str(self.checkpoint.model_dir.resolve()), "sha256": self.model_sha256,
                       "arch": self.checkpoint.config.arch, "fp8_checkpoint": self.checkpoint.fp8},
             "device": str(self.device), "precision": self.precision.name, "precision_reason": self.precision_reason,
+            "numerics": self.precision.record(),
             "tokenizer_backend": self.encoder.backend,
             "chat_template": self.encoder.describe_template(),
             # GPU results are reproducible bitwise only on the same GPU, CUDA and Triton (the kernels' code)

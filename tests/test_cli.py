@@ -134,7 +134,8 @@ def test_inspect_and_quantize(tmp_path, sample_slice):
     res = run("score", sample_slice["parquet"], "-o", tmp_path / "q.parquet", "--model", q, "--no-progress")
     assert "fp8" in res.output
     # the CPU run of an FP8 checkpoint under auto is fp32 on its dequantized weights, and verify repeats that
-    assert "all reproduced bit for bit" in run("verify", tmp_path / "q.parquet", "--sample", 10).output
+    for device in ([], ["--device", "auto"], ["--device", "cpu"]):
+        assert "all reproduced bit for bit" in run("verify", tmp_path / "q.parquet", "--sample", 10, *device).output
     a = pq.read_table(out).column("p_pii").to_numpy()
     b = pq.read_table(tmp_path / "q.parquet").column("p_pii").to_numpy()
     assert abs(a - b).max() < 0.05

@@ -1,6 +1,7 @@
 """Precision is decided once (engine/precision.py), validated, and what the loader and the decoder follow."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -56,3 +57,10 @@ def test_an_fp8_checkpoint_loads_with_fp8_weights_only(tmp_path):
     dec = load_decoder(ckpt, reference, Precision(BF16, True, True))
     assert dec.dtype == BF16 and type(dec.layers[0].qkv).__name__ == "Fp8LoraLinear"
     assert dec.rope_tables(8)[2] is not None  # W8A8: packed fp16 tables for the qkv GEMM's epilogue
+
+
+@pytest.mark.parametrize("precision", [Precision(torch.float32), Precision(torch.bfloat16),
+                                       Precision(torch.float32, fp8_weights=True),
+                                       Precision(torch.bfloat16, fp8_weights=True, w8a8=True)])
+def test_the_recorded_numerics_give_back_the_same_precision(precision):
+    assert Precision.from_record(json.loads(json.dumps(precision.record()))) == precision
