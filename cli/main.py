@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import signal
-import time
-
-STARTED = time.perf_counter()  # before torch's import: the summary's time split starts here
 
 import click
 

@@ -208,7 +208,7 @@ def _summary(engine: Engine | WorkerPool, acc: Accounting) -> None:
 
 def _time_split(engine: Engine, acc: Accounting) -> str:
     """Where the run's wall time went: a nightly job pays start-up and load as well as scoring."""
-    from policyscan.cli.main import STARTED
+    from policyscan.cli import STARTED
 
     whole = time.perf_counter() - STARTED
     startup = engine.load_started - STARTED
