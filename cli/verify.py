@@ -17,7 +17,7 @@ from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.policy import load_policy
 from policyscan.engine.precision import Precision
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine, EngineSettings, resolve_device
 from policyscan.engine.sinks import read_metadata
 from policyscan.engine.sources import ReadSpec, read_chunks
 from policyscan.cli.common import check_device, friendly_errors
@@ -47,12 +47,16 @@ def verify(output: str, sample: int, device: str | None) -> None:
     # the run's arithmetic as recorded (an FP8 checkpoint on the CPU is fp32 on dequantized weights, which the name
     # "fp8" alone would re-run as the W8A8 preview); outputs from before it was recorded: the name
     numerics = meta.get("numerics")
+    run_device = str(meta["device"]).split(":")[0]
+    device = device or run_device
+    # without it: on the run's kind of device its own request decides again, elsewhere the name
+    request = s["precision"] if resolve_device(device).type == run_device else meta["precision"]
     engine = Engine(meta["model"]["path"], policies,
-                    EngineSettings(device or str(meta["device"]).split(":")[0], meta["precision"], s["batch_tokens"],
-                                   s["max_length"], cuda_graphs=s.get("cuda_graphs", True),
-                                   chat_template=s.get("chat_template")),
+                    EngineSettings(device, request, s["batch_tokens"], s["max_length"],
+                                   cuda_graphs=s.get("cuda_graphs", True), chat_template=s.get("chat_template"),
+                                   fp8_flip_limit=s.get("fp8_flip_limit", 0.01)),
                     precision=Precision.from_record(numerics) if numerics else None)
-    if engine.encoder.describe_template() != meta.get("chat_template"):
+    if _template_id(meta.get("chat_template")) != _template_id(engine.encoder.describe_template()):
         raise PolicyscanError(f"the chat template changed since the run: {meta.get('chat_template')} then, "
                               f"{engine.encoder.describe_template()} now")
     stored = _stored(out, meta, [p.name for p in policies])
@@ -90,6 +94,11 @@ def _check_model(meta: dict) -> None:
     changed = sorted(n for n in set(was) | set(now) if was.get(n) != now.get(n)) if was else []
     what = f": {', '.join(changed)} changed, appeared or disappeared" if changed else ""
     raise PolicyscanError(f"model {model} changed since the run{what}; the run cannot be repeated")
+
+
+def _template_id(t: dict | None) -> str | None:
+    """A template by its text, plain by its name: the path it was read from may differ (a relative --model)."""
+    return None if t is None else t.get("sha256") or t.get("source")
 
 
 def _recorded_policy(rec: dict):

@@ -60,6 +60,7 @@ def model_templates(model_dir: Path, tokenizer_config: dict) -> dict[str, tuple[
     """name -> (template, where it was read) for every template the model ships; later sources win, as in
     transformers: tokenizer_config.json (a string, or a list of {name, template}), chat_template.json,
     chat_template.jinja (the default), additional_chat_templates/NAME.jinja."""
+    model_dir = Path(model_dir).resolve()  # the metadata names where a template came from, whatever the cwd
     out = config_templates(tokenizer_config, str(model_dir / "tokenizer_config.json"))
     legacy = model_dir / "chat_template.json"
     if legacy.is_file() and isinstance(source := json.loads(legacy.read_text()).get("chat_template"), str):

@@ -71,6 +71,12 @@ class StrictStop(InputError):
     """--strict: the first row that cannot be scored ends the run."""
 
 
+# Raised with every change that can move a score or a prompt's tokens, so that `-o DIR/` scores again what an
+# earlier policyscan wrote (2: SentencePiece-style tokenizers encode the pieces after the prefix as they follow
+# other text).
+SCORING_REVISION = 2
+
+
 def run_key(engine: Engine, spec: ReadSpec, out: OutputSpec, input_sha: str) -> str:
     """What an output depends on: input bytes, model, adapters and calibration, and every setting."""
     d = engine.describe()
@@ -79,7 +85,7 @@ def run_key(engine: Engine, spec: ReadSpec, out: OutputSpec, input_sha: str) -> 
     parts = {"input": input_sha, "model": d["model"]["sha256"], "policies": d["policies"],
              "settings": settings, "chat_template": d["chat_template"], "precision": d["precision"],
              "read": asdict(spec), "out": asdict(out),
-             "version": d["policyscan_version"]}
+             "version": d["policyscan_version"], "scoring_revision": SCORING_REVISION}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 

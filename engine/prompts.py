@@ -1,10 +1,11 @@
 """Conversation x policy -> token ids: [BOS] + enc(prefix) + enc(conversation) + enc(suffix).
 
-Each piece is encoded without special tokens; a SentencePiece-style tokenizer's '▁' before the text (Llama 2,
-Mistral) goes on the prefix only, as in the whole prompt's tokenization: what follows is encoded with the
-tokenizer's continuation form (`_continuation`). gigatoken is the fast path (about 70x faster than
-`tokenizers` on 2 cores, measured on byte-level BPE); it is used only after it agreed with `tokenizers`
-on probe texts, and any tokenizer it refuses falls back to `tokenizers`.
+Each piece is encoded without special tokens. Most tokenizers encode a piece alone as it does inside the whole
+prompt after a newline, where a template's pieces usually meet. A SentencePiece-style one (Llama 2, Mistral)
+puts '▁' before a text's start: there the prefix opens the text and the pieces after it are encoded as they
+follow other text (`TextEncoder.after`), the suffix as it follows a special token when a conversation ends in one.
+gigatoken is the fast path (about 70x faster than `tokenizers` on 2 cores, measured on byte-level BPE); it is used
+only after it agreed with `tokenizers` on probe texts, and any tokenizer it refuses falls back to `tokenizers`.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from policyscan.engine.chat_template import ChatTemplate, choose_template, confi
 from policyscan.engine.errors import CheckpointError, InputError, PolicyError
 from policyscan.engine.policy import Policy
 
+# What a piece after the prefix is encoded behind: text no vocabulary holds (a private-use character, which
+# falls back to bytes or <unk>), so nothing merges across it; a newline did merge with a suffix's leading "\n".
+SEAM = "\ue000"
 NO_TEMPLATE = "the model ships no chat template and no --chat-template or policy chat_template names one"
 PROBES = ["Hello, world!", "  leading spaces\tand\ttabs\n\nnew lines  ", "Ünïcödé — 中文 ✓ 😀 émoji",
           "user: my SSN is 123-45-6789.\nassistant: I can't store that.", "numbers 3.14159 and 1,000,000",
@@ -36,9 +40,11 @@ class TextEncoder:
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no tokenizer.json; policyscan needs the fast-tokenizer file")
         self.tok = Tokenizer.from_file(str(path))
-        self.cont = _continuation(self.tok)
-        # gigatoken encodes as the file says, prepending included: a continuation form runs on `tokenizers`
-        self.fast = _gigatoken(path, self.tok) if fast and self.cont is None else None
+        added = self.tok.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._special = next((added[i].content for i in sorted(self.special_ids)), None)
+        self.apart = _encodes_apart(self.tok)  # pieces encode alone as they do after a newline
+        self.fast = _gigatoken(path, self.tok) if fast and self.apart else None
         plain = self.tok.encode("a", add_special_tokens=False).ids
         full = self.tok.encode("a", add_special_tokens=True).ids
         self.bos: int | None = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
@@ -46,7 +52,8 @@ class TextEncoder:
         self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.chat_template = choose_template(model_dir, self.tokenizer_config, chat_template, policies)
         self.backend = ("gigatoken" if self.fast is not None else "tokenizers"
-                        + (" (continuation form: no '▁' before a conversation, suffix or label)" if self.cont else ""))
+                        + ("" if self.apart else " (each piece after the prefix as it follows other text: the "
+                                                 "tokenizer puts '▁' before a text's start)"))
         self.fast_texts = 0  # texts gigatoken encoded (and was trusted with) so far
 
     def encode_batch(self, texts: list[str], spot_checks: int = 8, full_checks: int = 4096) -> list[list[int]]:
@@ -66,11 +73,27 @@ class TextEncoder:
             self.fast = None
             self.backend = (f"tokenizers (gigatoken disagreed on a conversation; it had encoded {self.fast_texts} "
                             f"texts before, the first {min(self.fast_texts, full_checks)} checked in full)")
-        return [e.ids for e in (self.cont or self.tok).encode_batch(texts, add_special_tokens=False)]
+        if self.apart:
+            return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        return self.after(SEAM, texts)
 
     def encode(self, text: str) -> list[int]:
-        """A piece that follows other text (a conversation, a suffix)."""
+        """A piece that follows other text (a conversation, a suffix, a label)."""
         return self.encode_batch([text])[0]
+
+    def after(self, lead: str, texts: list[str]) -> list[list[int]]:
+        """Each text's tokens as they follow `lead` in one text: lead + text encoded, lead's own tokens cut off
+        (a text that still merges with `lead` across the seam: encoded alone)."""
+        head = self.tok.encode(lead, add_special_tokens=False).ids
+        return [e.ids[len(head):] if e.ids[:len(head)] == head else self.tok.encode(t, add_special_tokens=False).ids
+                for t, e in zip(texts, self.tok.encode_batch([lead + t for t in texts], add_special_tokens=False))]
+
+    def after_special(self, text: str) -> list[int] | None:
+        """The text's tokens after a special token, where that differs from after other text; else None."""
+        if self.apart or self._special is None:
+            return None
+        ids = self.after(self._special, [text])[0]
+        return ids if ids != self.encode(text) else None
 
     def encode_first(self, text: str) -> list[int]:
         """The piece that opens the prompt's text (a policy's prefix)."""
@@ -89,7 +112,10 @@ class TextEncoder:
     def verdict_ids(self, policy: Policy) -> tuple[int, int]:
         """(compliant, violation) token ids the verdict reads: each label's first token, as a guard model's card
         reads P(unsafe) from the first generated token; refused when the two labels start with the same token."""
-        c, v = (self.encode(label) for label in (policy.compliant, policy.violation))
+        last = self.encode(policy.suffix)[-1:]
+        after_special = bool(last) and last[0] in self.special_ids  # the label follows a special token
+        c, v = ((self.after_special(label) if after_special else None) or self.encode(label)
+                for label in (policy.compliant, policy.violation))
         where = f"policy {policy.name!r} ({policy.path})"
         for label, ids in ((policy.compliant, c), (policy.violation, v)):
             if not ids:
@@ -106,32 +132,11 @@ class TextEncoder:
         return [self.tok.id_to_token(i) for i in self.encode(label)]
 
 
-def _continuation(tok: Tokenizer) -> Tokenizer | None:
-    """The tokenizer as it encodes text that follows other text, or None when that is the tokenizer itself. A
-    SentencePiece-style tokenizer puts '▁' before the start of what it encodes (a Prepend normalizer, or a
-    Metaspace pre-tokenizer that prepends): inside a prompt that holds for the prompt's first piece only."""
-    spec = json.loads(tok.to_str())
-    changed = False
-
-    def strip(node: dict | None) -> dict | None:
-        nonlocal changed
-        if not isinstance(node, dict):
-            return node
-        if node.get("type") == "Prepend":
-            changed = True
-            return None
-        if node.get("type") == "Metaspace" and (node.get("prepend_scheme", "always") != "never"
-                                                or node.get("add_prefix_space")):
-            changed = True
-            node = {**node, "prepend_scheme": "never", "add_prefix_space": False}
-        for key in ("normalizers", "pretokenizers"):
-            if isinstance(node.get(key), list):
-                node[key] = [n for n in (strip(n) for n in node[key]) if n is not None]
-        return node
-
-    spec["normalizer"] = strip(spec.get("normalizer"))
-    spec["pre_tokenizer"] = strip(spec.get("pre_tokenizer"))
-    return Tokenizer.from_str(json.dumps(spec)) if changed else None
+def _encodes_apart(tok: Tokenizer) -> bool:
+    """Whether texts encode alone as they do after a newline (False: the tokenizer marks a text's start)."""
+    head = tok.encode("\n", add_special_tokens=False).ids
+    return all(head + tok.encode(t, add_special_tokens=False).ids == tok.encode("\n" + t, add_special_tokens=False).ids
+               for t in ("user: hello", "Yes", " Yes", "a b"))
 
 
 def _gigatoken(path: Path, tok: Tokenizer):
@@ -154,27 +159,32 @@ class PromptBuilder:
     prefix: tuple[int, ...]
     suffix: tuple[int, ...]
     max_length: int
+    suffix_after_special: tuple[int, ...] | None = None  # the suffix after a conversation that ends in one
+    special_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
-        fixed = len(self.bos) + len(self.prefix) + len(self.suffix)
+        fixed = len(self.bos) + len(self.prefix) + max(len(self.suffix), len(self.suffix_after_special or ()))
         if fixed >= self.max_length:
             raise PolicyError(f"the policy's prefix and suffix take {fixed} tokens, leaving none of "
                               f"--max-length {self.max_length} for the conversation; raise --max-length")
 
     @classmethod
     def for_policy(cls, enc: TextEncoder, policy: Policy, max_length: int) -> "PromptBuilder":
-        if enc.cont is not None and not policy.prefix:
-            raise PolicyError(f"policy {policy.name!r} ({policy.path}) has no template prefix, so the conversation "
-                              "would open the prompt's text, and this model's tokenizer puts '▁' before a text's "
-                              "start: the conversation's tokens would depend on the policy. Give the policy a "
-                              "prefix (e.g. the model's instruction header, such as '[INST] ')")
-        return cls(tuple([enc.bos] if enc.bos is not None else []), tuple(enc.encode_first(policy.prefix)),
-                   tuple(enc.encode(policy.suffix)), max_length)
+        prefix = enc.encode_first(policy.prefix)
+        if not enc.apart and (not prefix or prefix[-1] in enc.special_ids):
+            raise PolicyError(f"policy {policy.name!r} ({policy.path}): this model's tokenizer puts '▁' before a "
+                              "text's start, so the conversation is encoded as it follows other text, and this "
+                              "policy's template prefix " + ("is empty" if not prefix else "ends in a special token")
+                              + ". End the prefix with a newline (e.g. the model's instruction header and '\\n')")
+        after = enc.after_special(policy.suffix)
+        return cls(tuple([enc.bos] if enc.bos is not None else []), tuple(prefix), tuple(enc.encode(policy.suffix)),
+                   max_length, tuple(after) if after is not None else None, enc.special_ids)
 
     @property
     def budget(self) -> int:
         """Conversation tokens that fit."""
-        return self.max_length - len(self.bos) - len(self.prefix) - len(self.suffix)
+        return self.max_length - len(self.bos) - len(self.prefix) - max(len(self.suffix),
+                                                                         len(self.suffix_after_special or ()))
 
     @property
     def head(self) -> list[int]:
@@ -184,7 +194,8 @@ class PromptBuilder:
     def tail(self, conversation) -> list[int]:
         """The prompt after its head: the (left-truncated) conversation and the suffix."""
         conv = conversation[len(conversation) - self.budget:] if len(conversation) > self.budget else conversation
-        return [*list(conv), *self.suffix]
+        after = self.suffix_after_special is not None and len(conv) and int(conv[-1]) in self.special_ids
+        return [*list(conv), *(self.suffix_after_special if after else self.suffix)]
 
     def build(self, conversation) -> tuple[list[int], bool]:
         """(ids, truncated): the latest conversation tokens are kept when it is too long."""

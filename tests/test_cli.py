@@ -10,11 +10,13 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from cli_cases import MSG, SAMPLE, run
 from policyscan.cli.main import cli
+from policyscan.engine import pipeline
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.sinks import read_metadata
 
@@ -87,14 +89,15 @@ def test_output_dir_skips_up_to_date_inputs(tmp_path):
     assert res.output.count("up to date") == 2 and "wrote" in res.output and "d3.scores.parquet" in res.output
     res = run("score", arch, "-o", outdir, "--no-progress", "--raw")  # other settings: everything again
     assert "up to date" not in res.output
+    with pytest.MonkeyPatch.context() as m:  # a policyscan whose scores can differ: everything again
+        m.setattr(pipeline, "SCORING_REVISION", pipeline.SCORING_REVISION + 1)
+        assert "up to date" not in run("score", arch, "-o", outdir, "--no-progress", "--raw").output
 
 
 def test_output_dir_scores_a_new_output_before_the_model_hash(tmp_path, monkeypatch):
     """-o DIR: a file without an output is scored while the model is still being hashed (the run key, which
     needs the hash, is taken when the output is written); the next run finds it up to date."""
     import threading
-
-    from policyscan.engine import pipeline
 
     scored, order = threading.Event(), []
     fingerprint, score_chunk = Checkpoint.fingerprint, pipeline._score_chunk
@@ -122,7 +125,7 @@ def test_output_dir_scores_a_new_output_before_the_model_hash(tmp_path, monkeypa
     assert "up to date" in run("score", arch, "-o", outdir, "--no-progress").output
 
 
-def test_inspect_and_quantize(tmp_path, sample_slice):
+def test_inspect_and_quantize(tmp_path, sample_slice, monkeypatch):
     out = tmp_path / "s.parquet"
     run("score", sample_slice["parquet"], "-o", out, "--no-progress")
     assert json.loads(run("inspect", out).output)["accounting"]["balanced"] is True
@@ -136,6 +139,16 @@ def test_inspect_and_quantize(tmp_path, sample_slice):
     # the CPU run of an FP8 checkpoint under auto is fp32 on its dequantized weights, and verify repeats that
     for device in ([], ["--device", "auto"], ["--device", "cpu"]):
         assert "all reproduced bit for bit" in run("verify", tmp_path / "q.parquet", "--sample", 10, *device).output
+    # an output from before the numerics were recorded, scored with a relative --model: verify repeats it too
+    jl = tmp_path / "q.jsonl"
+    with monkeypatch.context() as m:
+        m.chdir(tmp_path)
+        run("score", sample_slice["parquet"], "-o", jl, "--model", "fp8", "--no-progress")
+    meta = json.loads(Path(f"{jl}.meta.json").read_text())
+    del meta["numerics"]
+    Path(f"{jl}.meta.json").write_text(json.dumps(meta))
+    for device in ([], ["--device", "auto"]):
+        assert "all reproduced bit for bit" in run("verify", jl, "--sample", 10, *device).output
     a = pq.read_table(out).column("p_pii").to_numpy()
     b = pq.read_table(tmp_path / "q.parquet").column("p_pii").to_numpy()
     assert abs(a - b).max() < 0.05
