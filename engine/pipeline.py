@@ -73,7 +73,7 @@ class StrictStop(InputError):
 
 # Raised with every change that can move a score or a prompt's tokens, so that `-o DIR/` scores again what an
 # earlier policyscan wrote (2: SentencePiece-style tokenizers encode the pieces after the prefix as they follow
-# other text).
+# other text; the CPU path's LoRA shrink is a GEMM).
 SCORING_REVISION = 2
 
 
