@@ -110,20 +110,25 @@ def cli_figure(root: Path, src: Path, device: str) -> tuple[int, float, float]:
     return int(m.group(1).replace(",", "")), float(m.group(2)), wall
 
 
+def prepare(base: Path, name: str, device: str) -> tuple[Path, Path]:
+    """The workload's model and bundles under base/name (built once) and its input file: (root, input)."""
+    from tokenizers import Tokenizer
+
+    root = base / name
+    if not (root / "model" / "config.json").is_file():
+        t0 = time.perf_counter()
+        build(root, name, device)
+        print(f"built {root} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return root, write_input(root, name, Tokenizer.from_file(str(root / "model" / "tokenizer.json")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="W1")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/e2e"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    root = args.dir / args.workload
-    if not (root / "model" / "config.json").is_file():
-        t0 = time.perf_counter()
-        build(root, args.workload, args.device)
-        print(f"built {root} in {time.perf_counter() - t0:.0f} s", flush=True)
-    from tokenizers import Tokenizer
-
-    src = write_input(root, args.workload, Tokenizer.from_file(str(root / "model" / "tokenizer.json")))
+    root, src = prepare(args.dir, args.workload, args.device)
     tokens, dt = engine_figure(root, src, args.device)
     print(f"{args.workload} engine (token ids in): {tokens:,} tokens in {dt:.2f} s = {tokens / dt:,.0f} tok/s",
           flush=True)

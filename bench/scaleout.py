@@ -11,7 +11,7 @@ first path (by id); a markdown table last.
     python bench/scaleout.py --workload W1 [--dir /tmp/e2e] [--paths cli,workers,ray]
     python bench/scaleout.py --workload T1 --device cpu      # a dry run on a CPU (one worker, one CPU actor)
 
-The model, bundles and Parquet input are bench/e2e.py's (its build() and write_input(); the same --dir shares
+The model, bundles and Parquet input are bench/e2e.py's (its prepare(); the same --dir shares
 its model). An untimed `policyscan score` first fills Triton's disk cache and the page cache, so no path pays
 for compiling kernels or reading the checkpoint from disk.
 
@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import build, write_input  # noqa: E402
+from e2e import prepare  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 LABELS = {"cli": "(a) policyscan score, in-process", "workers": "(b) local workers, 1 worker",
@@ -137,14 +137,7 @@ def main() -> None:
         ap.error("--paths ray needs Ray Data: pip install 'policyscan[ray]'")
     if args.device == "cuda":  # one GPU for every path (and the Ray cluster) on a host with more
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    root = args.dir / args.workload
-    if not (root / "model" / "config.json").is_file():
-        t0 = time.perf_counter()
-        build(root, args.workload, args.device)
-        print(f"built {root} in {time.perf_counter() - t0:.0f} s", flush=True)
-    from tokenizers import Tokenizer
-
-    src = write_input(root, args.workload, Tokenizer.from_file(str(root / "model" / "tokenizer.json")))
+    root, src = prepare(args.dir, args.workload, args.device)
     warm = run_path("cli", root, src, args.device)
     print(f"warm-up (untimed): policyscan score in {warm.wall:.1f} s", flush=True)
 
