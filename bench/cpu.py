@@ -30,7 +30,7 @@ from policyscan.engine.loader import attach_policies, load_decoder  # noqa: E402
 from policyscan.engine.policy import load_policy  # noqa: E402
 from policyscan.engine.precision import Precision  # noqa: E402
 from policyscan.engine.runner import default_threads  # noqa: E402
-from policyscan.kernels import reference  # noqa: E402
+from policyscan.kernels import cpu_rows, reference  # noqa: E402
 
 SHAPES = {
     "mid": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
@@ -50,7 +50,7 @@ def build(root: Path, shape: str) -> tuple[Path, Path]:
 def policyscan_tps(model: Path, policy: Path, seqs: list[list[int]], threads: int) -> float:
     dec = load_decoder(Checkpoint.open(model), reference, Precision(torch.float32), "cpu")
     attach_policies(dec, [load_policy(policy)], [(3, 7)])
-    reference.set_threads(threads)
+    cpu_rows.set_threads(threads)
     batches, cur = [], []
     for s in seqs:  # packed batches of up to 8192 tokens, as engine/batch.py plans them
         if cur and sum(map(len, cur)) + len(s) > 8192:

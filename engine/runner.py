@@ -40,7 +40,7 @@ class EngineSettings:
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
     cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/graphs.py)
     chat_template: str | None = None  # --chat-template; None: the policies' chat_template, else the model's
-    threads: int | None = None  # CPU path only (reference.set_threads); None: default_threads(); f is the same
+    threads: int | None = None  # CPU path only (cpu_rows.set_threads); None: default_threads(); f is the same
     # --precision auto runs bf16 when FP8 flipped more than this share of a policy's labeled verdicts
     fp8_flip_limit: float = 0.01
 
@@ -88,8 +88,8 @@ class Engine:
         self.device = resolve_device(settings.device)
         gpu = self.device.type == "cuda"
         if not gpu:
-            from policyscan.kernels import reference
-            reference.set_threads(settings.threads or default_threads())
+            from policyscan.kernels import cpu_rows
+            cpu_rows.set_threads(settings.threads or default_threads())
         self.checkpoint = Checkpoint.open(model_dir)
         _check_offsets(self.checkpoint.config, settings.batch_tokens)
         self.precision, self.precision_reason = (precision, None) if precision is not None else decide_precision(

@@ -9,13 +9,12 @@ Conventions shared with the kernels:
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from policyscan.kernels.cpu_rows import by_rows, map_items, product, rows_matmul
 from policyscan.kernels.spans import RankSpans
 from policyscan.kernels.types import AttnShape, PrefixKV, RopeCols
 
@@ -27,103 +26,6 @@ FP8_MAX = 448.0
 
 def _acc(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-ROW_BLOCK = 16  # rows are padded to a multiple of this in the CPU twins' products
-_MIN_CHUNK = 256  # rows a pool thread takes at least: smaller products are not split
-_POOL: ThreadPoolExecutor | None = None
-_THREADS = 1
-
-
-def set_threads(n: int) -> None:
-    """Run the CPU twins on n threads: torch's own (OpenMP, MKL) pinned to 1, and a pool of n - 1 more Python
-    threads, each at 1 torch thread, taking whole row chunks and whole sequences.
-    Why: MKL splits K across its threads for some shapes, and then a row's product depends on how many rows
-    share the call (2 threads: rows moved with M for K >= 1000 at N 16 to 512) and on the thread count; one
-    thread's product gave every row the same bits for every M (K 512-4096, N 16-2048). And on a shared
-    2-core machine OpenMP's barriers collapsed (a 20-row file: 67 s on 2 threads, 11 s on 1; issue 35)."""
-    global _POOL, _THREADS
-    if n < 1:
-        raise ValueError(f"threads must be at least 1, got {n}")
-    torch.set_num_threads(1)
-    if _POOL is not None:
-        _POOL.shutdown()
-    _POOL = ThreadPoolExecutor(n - 1, "policyscan-cpu", torch.set_num_threads, (1,)) if n > 1 else None
-    _THREADS = n
-
-
-def _map(fn: Callable, items: Iterable) -> list:
-    """fn over items, on the pool's threads and this one: a chunk's result never depends on which thread ran it."""
-    items = list(items)
-    if _POOL is None or len(items) < 2:
-        return [fn(i) for i in items]
-    mode = torch.is_inference_mode_enabled()  # thread-local: the pool's threads take the caller's
-    # every thread takes every n-th item, this one too: with this thread on the first alone, a batch's 24
-    # sequences left one pool thread 23 of the attention's (0.66 s of a 2.2 s pass waited on it)
-    groups = [range(g, len(items), _THREADS) for g in range(_THREADS)]
-
-    def run(group: range) -> list:
-        with torch.inference_mode(mode):
-            return [fn(items[k]) for k in group]
-    rest = [_POOL.submit(run, g) for g in groups[1:]]
-    out = [None] * len(items)
-    for group, results in zip(groups, [run(groups[0])] + [f.result() for f in rest]):
-        for k, r in zip(group, results):
-            out[k] = r
-    return out
-
-
-def _product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w^T over the last two dims (x [..., M, K], w [..., N, K]), each row's bits independent of M: rows
-    padded to a multiple of 16, so the GEMM never takes its few-row kernel (a 1-row product took another
-    kernel than a 37-row one: f moved in 20 of 20 batches, fp32). Outputs narrower than 16 columns (the LoRA
-    shrink, short sequences' scores) take a GEMM 16 wide, w padded with zero rows: a GEMM that narrow still moved
-    with the row's place in its block (K=33, N=7); batched ones, an elementwise product and a sum over K."""
-    M, K, N = x.shape[-2], x.shape[-1], w.shape[-2]
-    pad = (-M) % ROW_BLOCK
-    if N < ROW_BLOCK and x.dim() == 2 and w.dim() == 2:  # a LoRA shrink: w's rows padded to 16 instead
-        y = _product(x, torch.cat([w, w.new_zeros(ROW_BLOCK - N, K)]))[:, :N]
-        return y if out is None else out.copy_(y)
-    if x.dim() == 2 and w.dim() == 2:  # linear layers: x not copied, its last block padded
-        y = x.new_empty(M, N) if out is None else out
-        main = M - M % ROW_BLOCK
-        if main:
-            torch.mm(x[:main], w.t(), out=y[:main])
-        if pad:
-            y[main:] = (torch.cat([x[main:], x.new_zeros(pad, K)]) @ w.t())[:M - main]
-        return y
-    if N < ROW_BLOCK:
-        step = max(1, (1 << 22) // max(1, w.numel()))  # bound the [rows, N, K] temporary to ~4M elements
-        y = torch.cat([(x[..., i:i + step, None, :] * w.unsqueeze(-3)).sum(-1) for i in range(0, max(M, 1), step)],
-                      -2)
-    else:
-        xp = torch.cat([x, x.new_zeros(x.shape[:-2] + (pad, K))], -2) if pad else x
-        y = (xp @ w.transpose(-1, -2))[..., :M, :]
-    return y if out is None else out.copy_(y)
-
-
-def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T where each row's result does not depend on the other rows (batch invariance on the CPU), in
-    16-row-aligned chunks over the pool's threads (set_threads)."""
-    M = x.shape[0]
-    parts = min(_THREADS, M // _MIN_CHUNK)
-    if parts < 2:
-        return _product(x, w)
-    step = -(-M // parts // ROW_BLOCK) * ROW_BLOCK
-    y = x.new_empty(M, w.shape[0])
-    _map(lambda i: _product(x[i:i + step], w, y[i:i + step]), range(0, M, step))
-    return y
-
-
-def _rowwise(fn: Callable, x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for a row-wise fn, in 16-row-aligned chunks over the pool's threads like rows_matmul: the
-    SiLU-and-mul epilogue at the 1b shape was 1.1 s of a 6.9 s pass on one thread."""
-    M = x.shape[0]
-    parts = min(_THREADS, M // _MIN_CHUNK)
-    if parts < 2:
-        return fn(x)
-    step = -(-M // parts // ROW_BLOCK) * ROW_BLOCK
-    return torch.cat(_map(lambda i: fn(x[i:i + step]), range(0, M, step)))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -236,6 +138,18 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         y = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out, gelu=gelu)
         return y, amax_parts(y if amax_weight is None else y.float() * amax_weight.float())
     dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
+
+    def rows(r: slice) -> torch.Tensor:
+        return _lora_rows(x[r], None if x_scale is None else x_scale[r], W, w_scale, None if s is None else s[r],
+                          B, token_adapter[r], bias, None if residual is None else residual[r], out_dtype, dt,
+                          silu_out, gelu)
+    y = by_rows(rows, x.shape[0])
+    return rope_cols(y, rope) if rope is not None else y
+
+
+def _lora_rows(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, dt, silu_out,
+               gelu) -> torch.Tensor:
+    """lora_gemm's arithmetic on some rows, start to finish."""
     acc = rows_matmul(x.to(dt), W.to(dt))
     if x_scale is not None:
         acc = acc * (x_scale.to(dt)[:, None] * w_scale.to(dt)[None, :])
@@ -252,9 +166,8 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         acc = acc + residual.to(dt)
     if silu_out:
         act = partial(F.gelu, approximate="tanh") if gelu else F.silu
-        return _rowwise(lambda a: (act(a[:, 0::2]) * a[:, 1::2]).to(out_dtype), acc)
-    y = acc.to(out_dtype)
-    return rope_cols(y, rope) if rope is not None else y
+        return (act(acc[:, 0::2]) * acc[:, 1::2]).to(out_dtype)
+    return acc.to(out_dtype)
 
 
 def interleave_halves(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -339,7 +252,7 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         else:
             out[s:e] = o
 
-    _map(one, range(n_seq))
+    map_items(one, range(n_seq))
     return (out, amax_parts(out)) if row_amax else out
 
 
@@ -357,10 +270,10 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, shape: AttnShape, scale: float, w
     hidden = kpos[None, :] > qpos
     if window is not None:
         hidden |= kpos[None, :] <= qpos - window
-    scores = _product(qh, k.contiguous()) * scale
+    scores = product(qh, k.contiguous()) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(Hkv, G, n, m).masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(Hkv, G * n, m)
-    o = _product(probs, v.contiguous())  # [Hkv, G*n, D]
+    o = product(probs, v.contiguous())  # [Hkv, G*n, D]
     return o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, H * D).to(q.dtype)

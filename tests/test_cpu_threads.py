@@ -1,4 +1,4 @@
-"""The CPU path's threads (reference.set_threads, EngineSettings.threads) change no bit of f, its whole-tensor
+"""The CPU path's threads (cpu_rows.set_threads, EngineSettings.threads) change no bit of f, its whole-tensor
 elementwise twins give each row what a 16-row block alone gives it, and `--precision fp8` runs the W8A8 twin."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
 from policyscan.engine.precision import Precision
 from policyscan.engine.runner import Engine, EngineSettings
-from policyscan.kernels import reference
+from policyscan.kernels import cpu_rows, reference
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
 
@@ -26,7 +26,7 @@ SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
 def restore_threads():
     before = torch.get_num_threads()
     yield
-    reference.set_threads(1)
+    cpu_rows.set_threads(1)
     torch.set_num_threads(before)
 
 
@@ -56,10 +56,10 @@ def test_rows_matmul_rows_independent_of_rows_and_threads(k, n):
     """(1000, 20) and (2048, 512): shapes where MKL on 2 threads gave a row other bits with other rows beside it."""
     torch.manual_seed(1)
     x, w = torch.randn(600, k), torch.randn(n, k)
-    reference.set_threads(1)
+    cpu_rows.set_threads(1)
     full = reference.rows_matmul(x, w)
     for threads in (1, 2, 3):
-        reference.set_threads(threads)
+        cpu_rows.set_threads(threads)
         assert torch.equal(reference.rows_matmul(x, w), full), threads
         for m in (1, 16, 100, 333):
             assert torch.equal(reference.rows_matmul(x[:m], w), full[:m]), (threads, m)
@@ -74,7 +74,7 @@ def test_f_bitwise_the_same_for_any_thread_count(tmp_path):
     batch = pack(seqs, [0, 1, 2, 0, 1, 2])
     out = {}
     for threads in (1, 2, 3):
-        reference.set_threads(threads)
+        cpu_rows.set_threads(threads)
         with torch.inference_mode():
             out[threads] = dec.forward(batch)
     assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
