@@ -9,6 +9,7 @@ Conventions shared with the kernels:
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -140,11 +141,11 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
 
     def rows(r: slice) -> torch.Tensor:
-        return _lora_rows(x[r], None if x_scale is None else x_scale[r], W, w_scale, None if s is None else s[r],
-                          B, token_adapter[r], bias, None if residual is None else residual[r], out_dtype, dt,
-                          silu_out, gelu)
-    y = by_rows(rows, x.shape[0])
-    return rope_cols(y, rope) if rope is not None else y
+        y = _lora_rows(x[r], None if x_scale is None else x_scale[r], W, w_scale, None if s is None else s[r],
+                       B, token_adapter[r], bias, None if residual is None else residual[r], out_dtype, dt,
+                       silu_out, gelu)
+        return rope_cols(y, replace(rope, positions=rope.positions[r])) if rope is not None else y
+    return by_rows(rows, x.shape[0])
 
 
 def _lora_rows(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, dt, silu_out,
