@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ import numpy as np
 from policyscan.calibration.platt import PlattFit
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import file_sha256
-from policyscan.engine.sinks import commit_together, remove_leftovers
+from policyscan.engine.sinks import commit_together, remove_leftovers, temp_path
 
 METHOD = "platt-newton (Lin, Lin & Weng 2007)"
 
@@ -26,7 +25,7 @@ def write_calibration(bundle: Path, fit: PlattFit, provenance: dict) -> Path:
     meta["calibration"] = {"a": fit.a, "b": fit.b, "method": METHOD, **provenance}
     text = json.dumps(meta, indent=2, allow_nan=False) + "\n"  # NaN is not JSON: never written
     remove_leftovers([path])
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # sinks' temporary name: remove_leftovers finds it
+    tmp = temp_path(path)
     try:
         tmp.write_text(text)
         commit_together([(tmp, path)], [])

@@ -169,13 +169,19 @@ class FileFailure:
 def _encoded(engine: Engine, inputs: list[Path], spec: ReadSpec) -> Iterator[tuple[Chunk, list] | FileFailure]:
     """Chunks with their valid conversations tokenized (runs in the prefetch thread)."""
     for path in inputs:
-        done = 0
-        try:
-            for chunk in read_chunks(path, spec, engine.encoder.render):
-                done += len(chunk)
-                yield encode_chunk(engine, chunk)
-        except InputError as e:
-            yield FileFailure(path, e, done)
+        yield from encoded_chunks(engine, path, read_chunks(path, spec, engine.encoder.render))
+
+
+def encoded_chunks(engine: Engine, path: Path, chunks: Iterator[Chunk]) -> Iterator[tuple[Chunk, list] | FileFailure]:
+    """One file's (or unit's) chunks encoded as they are read; a read that fails ends them with its FileFailure,
+    which counts the rows read before it."""
+    done = 0
+    try:
+        for chunk in chunks:
+            done += len(chunk)
+            yield encode_chunk(engine, chunk)
+    except InputError as e:
+        yield FileFailure(path, e, done)
 
 
 def encode_chunk(engine: Engine, chunk: Chunk) -> tuple[Chunk, list[np.ndarray]]:

@@ -20,7 +20,8 @@ ERROR_KEYS = {"file", "row", "line", "id", "reason"}
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|bak)-(?P<pid>\d+)")
 
 
-def _tmp(path: Path, kind: str = "tmp") -> Path:
+def temp_path(path: Path, kind: str = "tmp") -> Path:
+    """Where `path` is written before its commit: a hidden name of this process, which remove_leftovers knows."""
     return path.with_name(f".{path.name}.{kind}-{os.getpid()}")
 
 
@@ -34,7 +35,7 @@ class ScoreWriter:
             raise ValueError(f"format {fmt!r} / layout {layout!r}")
         self.path, self.fmt, self.layout, self.policies, self.raw = path, fmt, layout, policies, raw
         self.thresholds, self.truncation = thresholds, truncation
-        self.tmp = _tmp(path)
+        self.tmp = temp_path(path)
         self.rows = 0
         self._pq: pq.ParquetWriter | None = None
         self._fh = None
@@ -90,8 +91,8 @@ class ScoreWriter:
         if self._fh is not None:
             self._fh.close()
             mp = meta_path(self.path)
-            _tmp(mp).write_text(blob)
-            return [(self.tmp, self.path), (_tmp(mp), mp)]
+            temp_path(mp).write_text(blob)
+            return [(self.tmp, self.path), (temp_path(mp), mp)]
         if self._pq is None:  # no scored rows: still a valid, empty file with the full schema
             empty = np.zeros((0, len(self.policies)))
             schema = self._table(pa.array([], pa.string()), {}, empty, empty, empty.astype(bool)).schema
@@ -107,7 +108,7 @@ class ScoreWriter:
             self._pq.close()
         self.tmp.unlink(missing_ok=True)
         if self.fmt == "jsonl":
-            _tmp(meta_path(self.path)).unlink(missing_ok=True)
+            temp_path(meta_path(self.path)).unlink(missing_ok=True)
 
 
 def meta_path(out: Path) -> Path:
@@ -146,7 +147,7 @@ class ErrorWriter:
     """JSONL, one line per row that could not be scored: file, row, line, id, reason."""
 
     def __init__(self, path: Path):
-        self.path, self.tmp, self.count = path, _tmp(path), 0
+        self.path, self.tmp, self.count = path, temp_path(path), 0
         self._fh = None
 
     def add(self, file: str, row: int | None, line: int | None, id_, reason: str) -> None:
@@ -198,7 +199,7 @@ def commit_together(moves: list[tuple[Path, Path]], remove: list[Path]) -> None:
 
 def _backup(path: Path) -> Path:
     """A second name for `path`'s bytes (a hard link; a copy where links are not supported)."""
-    bak = _tmp(path, "bak")
+    bak = temp_path(path, "bak")
     bak.unlink(missing_ok=True)
     try:
         os.link(path, bak)

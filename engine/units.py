@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.jsonl import first_column, read_jsonl_range
-from policyscan.engine.pipeline import FileFailure, encode_chunk
+from policyscan.engine.pipeline import FileFailure, encoded_chunks
 from policyscan.engine.rows import Chunk, ReadSpec
 from policyscan.engine.runner import Engine
 from policyscan.engine.sources import (Lost, ParquetLayout, _lost, layout_chunk, parquet_layout,
@@ -216,13 +216,7 @@ def unit_chunks(unit: Unit, spec: ReadSpec, render: Callable[[list], str]) -> It
 
 def unit_items(engine: Engine, unit: Unit, spec: ReadSpec) -> Iterator[tuple[Chunk, list] | FileFailure]:
     """A unit's chunks with their conversations encoded, or the failure of its file (as pipeline._encoded)."""
-    done = 0
-    try:
-        for chunk in unit_chunks(unit, spec, engine.encoder.render):
-            done += len(chunk)
-            yield encode_chunk(engine, chunk)
-    except InputError as e:
-        yield FileFailure(unit.path, e, done)
+    return encoded_chunks(engine, unit.path, unit_chunks(unit, spec, engine.encoder.render))
 
 
 def _slice_chunks(path: Path, part: RowSlice, spec: ReadSpec, render: Callable[[list], str]) -> Iterator[Chunk]:

@@ -11,7 +11,7 @@ import torch
 from kernel_cases import (CPU, CPU_ATTN_SHAPES, GPU, GPU_ATTN_SHAPES, adapters_for, check, further_from, gemm_case,
                           gen, lora_stack, packed, shrink_in_k_order, up64)
 from policyscan.kernels import reference
-from policyscan.kernels.reference import AttnShape, PrefixKV
+from policyscan.kernels.reference import PrefixKV
 
 triton = pytest.importorskip("triton")
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
