@@ -88,9 +88,9 @@ def _check_model(meta: dict) -> None:
     if not model.is_dir():
         raise PolicyscanError(f"model {model} is missing; the run cannot be repeated")
     ckpt = Checkpoint.open(model)
-    if ckpt.fingerprint() == meta["model"]["sha256"]:
+    if ckpt.fingerprint(fresh=True) == meta["model"]["sha256"]:  # an audit reads the files, trusts no cache
         return
-    was, now = meta.get("model_files") or {}, ckpt.file_hashes()
+    was, now = meta.get("model_files") or {}, ckpt.file_hashes()  # read just now: cached
     changed = sorted(n for n in set(was) | set(now) if was.get(n) != now.get(n)) if was else []
     what = f": {', '.join(changed)} changed, appeared or disappeared" if changed else ""
     raise PolicyscanError(f"model {model} changed since the run{what}; the run cannot be repeated")

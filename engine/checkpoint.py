@@ -80,19 +80,20 @@ class Checkpoint:
             sl = f.get_slice(name)
             return torch.cat([sl[r:r + 1] for r in rows])
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, fresh: bool = False) -> str:
         """sha256 over what decides a score: config, weights, tokenizer and chat templates (file_hashes)."""
         h = hashlib.sha256()
-        for name, sha in sorted(self.file_hashes().items()):
+        for name, sha in sorted(self.file_hashes(fresh).items()):
             h.update(f"{name}\0{sha}\n".encode())
         return h.hexdigest()
 
-    def file_hashes(self) -> dict[str, str]:
-        """sha256 of each file that decides a score, by its name in the model directory."""
+    def file_hashes(self, fresh: bool = False) -> dict[str, str]:
+        """sha256 of each file that decides a score, by its name in the model directory; fresh: every file read
+        again, nothing taken from the digest cache (files.cached_sha256)."""
         jinja = [*self.model_dir.glob("*.jinja"), *self.model_dir.glob("additional_chat_templates/*.jinja")]
         paths = set(self.files.values()) | {p for p in jinja if p.is_file()}
         paths |= {self.model_dir / n for n in SCORED_FILES if (self.model_dir / n).is_file()}
-        return {str(p.relative_to(self.model_dir)): cached_sha256(p) for p in sorted(paths)}
+        return {str(p.relative_to(self.model_dir)): cached_sha256(p, fresh) for p in sorted(paths)}
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:

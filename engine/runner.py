@@ -105,8 +105,8 @@ class Engine:
                 self._prefix = self.decoder.prefill_prefixes([b.head for b in self.builders])
         self._graphs: dict[bool, GraphedForward] = {}
         self.load_seconds = time.perf_counter() - self.load_started  # weights read, moved, prefixes prefilled
-        # The outputs' metadata names the model by a sha256 of its files: for W1's 6.4 GB that took 7.3 s after
-        # scoring. Hashed now, behind the scoring; after the load, so as not to compete with its reads.
+        # The outputs' metadata names the model by a sha256 of its files (remembered across runs, files.py); a
+        # first run hashes behind the scoring, after the load so as not to compete with its reads.
         self._model_sha = in_background(self.checkpoint.fingerprint, "policyscan-model-sha256")
 
     def score(self, prompts: list[list[int]], adapters: list[int] | np.ndarray) -> np.ndarray:

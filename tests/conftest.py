@@ -1,11 +1,14 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the digest cache (engine/files.py) of this session only: nothing read from or left in the user's
+os.environ.setdefault("POLICYSCAN_CACHE_DIR", tempfile.mkdtemp(prefix="policyscan_test_cache_"))
 
 
 def _has_cuda() -> bool:
