@@ -207,13 +207,16 @@ def _summary(engine: Engine | WorkerPool, acc: Accounting) -> None:
 
 
 def _time_split(engine: Engine, acc: Accounting) -> str:
-    """Where the run's wall time went: a nightly job pays start-up and load as well as scoring."""
+    """Where the run's wall time went: a nightly job pays start-up, load and compile as well as scoring."""
     from policyscan.cli import STARTED
 
     whole = time.perf_counter() - STARTED
     startup = engine.load_started - STARTED
-    rest = whole - startup - engine.load_seconds - acc.seconds
-    gpu = " (GPU kernels compile inside the first batches of a fresh machine; Triton caches them on disk)" \
-        if engine.device.type == "cuda" else ""
-    return (f"time {whole:.2f} s = start-up {startup:.2f} s + load {engine.load_seconds:.2f} s + scoring "
-            f"{acc.seconds:.2f} s{gpu} + the rest {rest:.2f} s (reading ahead, hashing, checks)")
+    report = engine.compile
+    compile_s = report.seconds if report else 0.0
+    scoring = acc.seconds - acc.output_seconds
+    rest = whole - startup - engine.load_seconds - compile_s - acc.seconds
+    what = f" ({report.describe()})" if report else ""
+    return (f"time {whole:.2f} s = start-up {startup:.2f} s + load {engine.load_seconds:.2f} s + compile "
+            f"{compile_s:.2f} s{what} + scoring {scoring:.2f} s + writing {acc.output_seconds:.2f} s + the rest "
+            f"{rest:.2f} s (reading ahead, hashing, checks)")

@@ -39,7 +39,10 @@ class GraphedForward:
     """`decoder.forward(batch, prefix)` for host-side batches: replayed from a CUDA graph when the batch has
     at most `max_tokens` tokens, eager otherwise. Returns f [B] on the device (a copy: safe to keep)."""
 
-    def __init__(self, decoder: Decoder, prefix: PrefixCache | None, max_tokens: int = 4096, min_tokens: int = 256):
+    MAX_TOKENS, MIN_TOKENS = 4096, 256  # the token buckets' range (the module docstring says why)
+
+    def __init__(self, decoder: Decoder, prefix: PrefixCache | None, max_tokens: int = MAX_TOKENS,
+                 min_tokens: int = MIN_TOKENS):
         if decoder.device.type != "cuda":
             raise ValueError("CUDA graphs need the decoder on a CUDA device")
         if max_tokens < 1 or min_tokens < 1:

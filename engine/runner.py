@@ -12,6 +12,7 @@ import torch
 
 from policyscan.engine.batch import pack, plan_batches
 from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.compile_ahead import CompileReport, compile_ahead
 from policyscan.engine.files import in_background
 from policyscan.engine.config import ModelConfig
 from policyscan.engine.errors import PolicyscanError
@@ -39,6 +40,8 @@ class EngineSettings:
     max_length: int = 2048
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
     cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/graphs.py)
+    compile_ahead: bool = True  # GPU only: kernels compile in parallel at load, not one by one in the first
+    # batches; the same bits either way (engine/compile_ahead.py)
     chat_template: str | None = None  # --chat-template; None: the policies' chat_template, else the model's
     threads: int | None = None  # CPU path only (cpu_rows.set_threads); None: default_threads(); f is the same
     # --precision auto runs bf16 when FP8 flipped more than this share of a policy's labeled verdicts
@@ -99,12 +102,17 @@ class Engine:
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
         self.decoder = load_decoder(self.checkpoint, _ops(gpu), self.precision, self.device)
         attach_policies(self.decoder, policies, label_ids)
+        heads = [b.head for b in self.builders] if settings.prefix_cache else []
+        self.compile: CompileReport | None = None
+        if gpu and settings.compile_ahead:
+            self.compile = compile_ahead(self.decoder, heads, settings.batch_tokens, settings.cuda_graphs)
         self._prefix = None
         if settings.prefix_cache:
             with torch.inference_mode():
-                self._prefix = self.decoder.prefill_prefixes([b.head for b in self.builders])
+                self._prefix = self.decoder.prefill_prefixes(heads)
         self._graphs: dict[bool, GraphedForward] = {}
-        self.load_seconds = time.perf_counter() - self.load_started  # weights read, moved, prefixes prefilled
+        # weights read, moved, prefixes prefilled; not the kernels' compile
+        self.load_seconds = time.perf_counter() - self.load_started - (self.compile.seconds if self.compile else 0)
         # The outputs' metadata names the model by a sha256 of its files (remembered across runs, files.py); a
         # first run hashes behind the scoring, after the load so as not to compete with its reads.
         self._model_sha = in_background(self.checkpoint.fingerprint, "policyscan-model-sha256")
