@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +94,11 @@ class Checkpoint:
         jinja = [*self.model_dir.glob("*.jinja"), *self.model_dir.glob("additional_chat_templates/*.jinja")]
         paths = set(self.files.values()) | {p for p in jinja if p.is_file()}
         paths |= {self.model_dir / n for n in SCORED_FILES if (self.model_dir / n).is_file()}
-        return {str(p.relative_to(self.model_dir)): cached_sha256(p, fresh) for p in sorted(paths)}
+        paths = sorted(paths)
+        # the shards in parallel (hashlib and reads release the GIL): a fresh machine's first W1 run waited 6.7 s
+        with ThreadPoolExecutor(min(8, len(paths) or 1)) as pool:
+            digests = list(pool.map(lambda p: cached_sha256(p, fresh), paths))
+        return {str(p.relative_to(self.model_dir)): d for p, d in zip(paths, digests)}
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:

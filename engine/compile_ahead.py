@@ -10,7 +10,8 @@ real batches then load them from disk. The dry run computes nothing that is kept
 compiles when first launched, as before: what a run computes does not change, only when kernels compile.
 
 A marker per variant beside Triton's cache (policyscan_variants/) says it compiled there, so a warm machine
-starts no pool; wiping Triton's cache wipes the markers with it."""
+starts no pool, and a manifest per run configuration lists its variants, so a repeated nightly run skips the dry
+run too (1.6 s at W1); wiping Triton's cache wipes both with it."""
 from __future__ import annotations
 
 import hashlib
@@ -56,10 +57,17 @@ class CompileReport:
 
 
 def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
-    """(tokens, sequences) of the dry run's batches: Triton specializes integer arguments on divisibility by 16,
-    so both parities of an eager batch's rows and sequences, and every CUDA-graph bucket (its tokens decide
-    the GEMM kernel and tiles; 8 sequence slots, or 16 and more)."""
-    eager = [(t, b) for t in (batch_tokens, batch_tokens - 1) for b in (64, 63)]
+    """(tokens, sequences) of the dry run's batches. Triton specializes integer arguments on divisibility by 16,
+    and the GEMM's kernel and tiles follow its rows (kernels/tuning.py: <= 256, <= 2048 with N-dependent tiles,
+    the Gluon kernel from 1025): a batch's tokens in each class and both parities, and since the last layer runs
+    its sequences' last tokens only, its sequences too. Eager batches are those over the CUDA graphs' range; the
+    graphs' buckets (tokens, and 8 or 16+ sequence slots) each once."""
+    low = GraphedForward.MAX_TOKENS + 16 if graphs else 16
+    sizes = [m + d for m in (64, 512, 1040, 2112, low) for d in (0, 1) if low <= m <= batch_tokens - 1]
+    seqs = [1] + [b + d for b in (64, 320, 512, 704, 1040, 2112) for d in (0, 1)]  # 1: Triton specializes it too
+    eager = [(t, b) for t in sorted(set(sizes)) for b in (64, 63) if b <= t]
+    eager += [(max(sizes), b) for b in seqs if b <= max(sizes)] if sizes else []
+    eager = list(dict.fromkeys(eager))
     if not graphs:
         return eager
     buckets, t = [], GraphedForward.MIN_TOKENS
@@ -69,14 +77,23 @@ def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
     return eager + buckets
 
 
-def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, graphs: bool,
+def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, graphs: bool, run_id: str,
                   max_workers: int = 16) -> CompileReport:
-    """The dry run, then the pool for the variants no marker covers (see the module docstring)."""
+    """The dry run, then the pool for the variants no marker covers (see the module docstring). run_id names
+    everything that decides the variants (model, precision, policies, settings, kernel sources: variants_id);
+    a run whose id compiled before, its every variant still marked, skips the dry run too."""
     t0 = time.perf_counter()
+    marks = _marker_dir()
+    manifest = marks / f"run-{run_id}"
+    try:
+        known = manifest.read_text().split()
+        if known and all((marks / k).exists() for k in known):
+            return CompileReport(len(known), 0, 0, 0, time.perf_counter() - t0)
+    except OSError:
+        pass
     variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs))
     if variants is None:  # this Triton's hook gives no serialized specialization: compile as launched
         return CompileReport(0, 0, 0, 0, time.perf_counter() - t0)
-    marks = _marker_dir()
     todo = [v for v in variants if not (marks / v.key).exists()]
     workers = min(len(todo), max_workers, os.cpu_count() or 1)
     failed = 0
@@ -91,7 +108,24 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
                     continue
                 marks.mkdir(parents=True, exist_ok=True)
                 (marks / v.key).touch()
+    if not failed:
+        try:
+            marks.mkdir(parents=True, exist_ok=True)
+            manifest.write_text("\n".join(v.key for v in variants))
+        except OSError:
+            pass
     return CompileReport(len(variants), len(todo) - failed, failed, workers, time.perf_counter() - t0)
+
+
+def variants_id(*parts: object) -> str:
+    """A hash of what decides a run's kernel variants (compile_ahead's run_id): the caller's parts, Triton's
+    version and the source of policyscan's kernels."""
+    import triton
+
+    h = hashlib.sha256(repr((triton.__version__, parts)).encode())
+    for f in sorted((Path(__file__).resolve().parent.parent / "kernels").glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:32]
 
 
 def _preload(module: str, name: str, data: str) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from policyscan.engine.batch import pack, plan_batches
 from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.compile_ahead import CompileReport, compile_ahead
+from policyscan.engine.compile_ahead import CompileReport, compile_ahead, variants_id
 from policyscan.engine.files import in_background
 from policyscan.engine.config import ModelConfig
 from policyscan.engine.errors import PolicyscanError
@@ -94,6 +94,9 @@ class Engine:
             from policyscan.kernels import cpu_rows
             cpu_rows.set_threads(settings.threads or default_threads())
         self.checkpoint = Checkpoint.open(model_dir)
+        # The outputs' metadata names the model by a sha256 of its files (remembered across runs, files.py); a
+        # first run hashes them behind the load, the compile and the scoring.
+        self._model_sha = in_background(self.checkpoint.fingerprint, "policyscan-model-sha256")
         _check_offsets(self.checkpoint.config, settings.batch_tokens)
         self.precision, self.precision_reason = (precision, None) if precision is not None else decide_precision(
             settings.precision, gpu, self.checkpoint.fp8, policies, settings.fp8_flip_limit)
@@ -105,7 +108,9 @@ class Engine:
         heads = [b.head for b in self.builders] if settings.prefix_cache else []
         self.compile: CompileReport | None = None
         if gpu and settings.compile_ahead:
-            self.compile = compile_ahead(self.decoder, heads, settings.batch_tokens, settings.cuda_graphs)
+            run_id = variants_id(self.checkpoint.config, self.precision.record(), heads, settings.batch_tokens,
+                                 settings.cuda_graphs, [p.adapter_sha256 for p in policies], str(self.device))
+            self.compile = compile_ahead(self.decoder, heads, settings.batch_tokens, settings.cuda_graphs, run_id)
         self._prefix = None
         if settings.prefix_cache:
             with torch.inference_mode():
@@ -113,9 +118,6 @@ class Engine:
         self._graphs: dict[bool, GraphedForward] = {}
         # weights read, moved, prefixes prefilled; not the kernels' compile
         self.load_seconds = time.perf_counter() - self.load_started - (self.compile.seconds if self.compile else 0)
-        # The outputs' metadata names the model by a sha256 of its files (remembered across runs, files.py); a
-        # first run hashes behind the scoring, after the load so as not to compete with its reads.
-        self._model_sha = in_background(self.checkpoint.fingerprint, "policyscan-model-sha256")
 
     def score(self, prompts: list[list[int]], adapters: list[int] | np.ndarray) -> np.ndarray:
         """f (float32) for each prompt, in the order given; prompts are token-id lists, adapters index policies."""

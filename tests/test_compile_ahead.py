@@ -29,7 +29,7 @@ misses = []
 
 def hook(*, fn, compile, **_):  # each variant this process loads or compiles at launch
     if not (_marker_dir() / Variant(fn.module, fn.name, compile["specialization_data"]).key).exists():
-        misses.append(fn.name)
+        misses.append(f"{fn.name}: {compile['specialization_data']}")
     return False
 
 triton.knobs.runtime.jit_cache_hook = hook
@@ -55,7 +55,7 @@ def test_compile_ahead_covers_the_run_and_keeps_the_bits(tmp_path):
     rep = first["report"]
     print("fresh cache:", rep)
     assert rep["compiled"] > 0 and rep["failed"] == 0 and rep["compiled"] == rep["variants"]
-    assert first["misses"] == [], f"variants the dry run missed: {first['misses']}"
+    assert first["misses"] == [], "variants the dry run missed:\n" + "\n".join(first["misses"])
     again = run(tmp_path / "cache", ahead=True)
     assert again["report"]["compiled"] == 0 and again["report"]["variants"] == rep["variants"]
     assert again["f"] == first["f"]
