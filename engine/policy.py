@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from policyscan.engine.files import file_sha256
+from policyscan.engine.files import cached_sha256
 from policyscan.engine.config import PROJECTIONS, ModelConfig
 from policyscan.engine.errors import PolicyError
 
@@ -82,7 +83,7 @@ def load_policy(path: str | Path) -> Policy:
     for key, where in (("name", meta), ("compliant", labels), ("violation", labels)):
         if not isinstance(where.get(key), str) or not where.get(key):
             raise PolicyError(f"{pj}: missing {'labels.' if where is labels else ''}{key} (a non-empty string)")
-    lora, sha = _load_adapter(path)
+    lora, sha = load_adapter(path)
     needs = meta.get("adapter", "optional")
     if needs not in ("optional", "required"):
         raise PolicyError(f"{pj}: adapter must be \"required\" or \"optional\", got {needs!r}")
@@ -98,7 +99,7 @@ def load_policy(path: str | Path) -> Policy:
     )
 
 
-def _load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
+def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
     """The adapter's factors and the sha256 of its weights; none of its files: a prompt-only policy."""
     cfg_path, w_path, bin_path = (path / n for n in ADAPTER_FILES)
     if not any(p.exists() for p in (cfg_path, w_path, bin_path)):
@@ -139,7 +140,7 @@ def _load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
         al = _pattern(cfg.get("alpha_pattern") or {}, layer, proj, alpha)
         scales[(layer, proj)] = al / math.sqrt(r) if rslora else al / r
         out[(layer, proj)] = (a, b)
-    return LoraWeights(out, scales), file_sha256(w_path)
+    return LoraWeights(out, scales), cached_sha256(w_path)  # remembered across runs (files.py)
 
 
 def _finite(t: torch.Tensor, w_path: Path, name: str) -> torch.Tensor:
@@ -175,17 +176,21 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
 
 def load_policies(paths: list[str | Path]) -> list[Policy]:
     """Each path is a bundle (has policy.json) or a folder of bundles (taken in name order)."""
-    out: list[Policy] = []
+    bundles: list[Path] = []
     for path in map(Path, paths):
         if (path / "policy.json").is_file():
-            out.append(load_policy(path))
+            bundles.append(path)
         elif path.is_dir():
-            bundles = sorted(d for d in path.iterdir() if (d / "policy.json").is_file())
-            if not bundles:
+            found = sorted(d for d in path.iterdir() if (d / "policy.json").is_file())
+            if not found:
                 raise PolicyError(f"{path}: neither a policy bundle nor a folder of bundles (no policy.json)")
-            out += [load_policy(d) for d in bundles]
+            bundles += found
         else:
             raise PolicyError(f"{path}: no such policy bundle or folder")
+    # on threads (reads and tensor conversions release the GIL): W1's 8 adapters took 2.0 s of start-up in turn;
+    # map raises the first failing bundle's error, in order
+    with ThreadPoolExecutor(min(8, len(bundles) or 1)) as pool:
+        out = list(pool.map(load_policy, bundles))
     names = [p.name for p in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

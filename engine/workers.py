@@ -10,12 +10,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from policyscan.engine.errors import PolicyscanError
-from policyscan.engine.policy import Policy
+from policyscan.engine.errors import PolicyError, PolicyscanError
+from policyscan.engine.policy import LoraWeights, Policy, load_adapter
 from policyscan.engine.runner import EngineSettings
 from policyscan.engine.units import Unit
 from policyscan.engine.workers_proc import worker_main
@@ -47,6 +47,25 @@ class WorkerConfig:
     def label(self, slot: int) -> str:
         d = self.devices[slot]
         return d if d == "cpu" else f"cuda:{d}"
+
+    def without_adapters(self) -> WorkerConfig:
+        """What a worker is sent: its policies without their LoRA factors (W1's 8 adapters are 780 MB in fp32,
+        pickled through a pipe to every worker), which with_adapters reads again from the bundles."""
+        return replace(self, policies=tuple(replace(p, lora=LoraWeights({}, {})) if p.adapter_sha256 else p
+                                            for p in self.policies))
+
+    def with_adapters(self) -> WorkerConfig:
+        """In a worker: each policy's factors read from its bundle, checked by sha256 to be those the parent read."""
+        pols = []
+        for p in self.policies:
+            if p.adapter_sha256 is not None:
+                lora, sha = load_adapter(p.path)
+                if sha != p.adapter_sha256:
+                    raise PolicyError(f"{p.path}: the adapter changed while the run started (sha256 "
+                                      f"{p.adapter_sha256[:12]}... then, {(sha or 'none')[:12]}... now); run again")
+                p = replace(p, lora=lora)
+            pols.append(p)
+        return replace(self, policies=tuple(pols))
 
 
 @dataclass(frozen=True)
@@ -107,7 +126,7 @@ class WorkerPool:
 
     def _start(self, slot: int) -> Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=worker_main, args=(child, self.config, slot), daemon=True,
+        proc = self._ctx.Process(target=worker_main, args=(child, self.config.without_adapters(), slot), daemon=True,
                                  name=f"policyscan-worker-{self.config.label(slot)}")
         proc.start()
         child.close()

@@ -88,6 +88,7 @@ def worker_main(conn: Connection, config, slot: int) -> None:
             conn.send(msg)
 
     try:
+        config = config.with_adapters()
         engine = Engine(config.model_dir, list(config.policies), config.settings)
     except Exception as e:
         send(("fatal", str(e) if isinstance(e, PolicyscanError) else f"{type(e).__name__}: {e}"))

@@ -35,9 +35,9 @@ def hook(*, fn, compile, **_):  # each variant this process loads or compiles at
 triton.knobs.runtime.jit_cache_hook = hook
 rng = np.random.default_rng(0)
 f = []
-for n, lo, hi in ((40, 5, 60), (30, 200, 600)):  # batches for CUDA graphs, then eager ones of over 4096 tokens
-    prompts = [rng.integers(3, 1000, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
-    f += engine.score(prompts, rng.integers(0, len(engine.policies), n)).tolist()
+for n, lo, hi in ((20, 5, 60), (15, 200, 600)):  # batches for CUDA graphs, then eager ones of over 4096 tokens
+    convs = [rng.integers(3, 1000, int(rng.integers(lo, hi))) for _ in range(n)]
+    f += engine.score_conversations(convs)[0].ravel().tolist()  # the CLI's path: policies' heads cached
 print(json.dumps({"report": asdict(engine.compile) if engine.compile else None, "misses": misses, "f": f}))
 """
 

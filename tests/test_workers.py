@@ -124,6 +124,40 @@ def test_devices_are_all_a_count_or_indices():
         WorkerConfig(SAMPLE / "model", (), EngineSettings("cuda:1"), ("0", "1"))
 
 
+def test_workers_are_sent_policies_without_factors_and_read_them_back(tmp_path):
+    """A worker gets its policies' LoRA factors from the bundles, not through the pipe, and refuses an adapter that
+    changed since the parent read it."""
+    import pickle
+    import shutil
+
+    import torch
+
+    shutil.copytree(SAMPLE / "policies", tmp_path / "policies")
+    cfg = WorkerConfig(SAMPLE / "model", tuple(load_policies([tmp_path / "policies"])), SETTINGS, ("cpu",))
+    sent = cfg.without_adapters()
+    assert len(pickle.dumps(sent)) * 20 < len(pickle.dumps(cfg))
+    back = sent.with_adapters()
+    for p, q in zip(cfg.policies, back.policies):
+        assert p.lora.factors.keys() == q.lora.factors.keys() and p.lora.scales == q.lora.scales
+        assert all(torch.equal(a, c) and torch.equal(b, d)
+                   for (a, b), (c, d) in zip(p.lora.factors.values(), q.lora.factors.values()))
+    assert [replace_lora(p) for p in back.policies] == [replace_lora(p) for p in cfg.policies]
+    changed = next(p for p in cfg.policies if p.adapter_sha256)
+    weights = changed.path / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\x00" * 8)
+    with pytest.raises(PolicyscanError, match="adapter changed while the run started"):
+        sent.with_adapters()
+
+
+def replace_lora(p):
+    """A policy's every field but its factors (tensors do not compare with ==)."""
+    from dataclasses import replace
+
+    from policyscan.engine.policy import LoraWeights
+
+    return replace(p, lora=LoraWeights({}, {}))
+
+
 def test_two_workers_write_the_bits_of_one_worker_and_of_the_single_process_path(inputs, policies, reference,
                                                                                  tmp_path):
     ref_table, ref_errors, ref_acc = reference
