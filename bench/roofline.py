@@ -5,7 +5,7 @@
 One eager pass (CUDA events around every kernel call; W1's and W4's batches are all above the 4096-token graph
 limit but the last) after a warm one; per kind of call: GPU time, the work counted from the shapes (FLOPs of
 the products, the fewest bytes the call must move), the rate reached, and the time at the roofline: FLOPs at
-the dense tensor rate *at the SM clock the pass ran at* (the H200 holds its 700 W cap through a pass: run 37),
+the dense tensor rate *at the SM clock the pass ran at* (the H200 holds its 700 W cap through a pass),
 or bytes at the 4.3 TB/s a device copy reaches (KINDS.md), whichever is longer.
 """
 from __future__ import annotations

@@ -96,7 +96,7 @@ def bench_engine(name: str, budget: int, fp8: bool = True, cache: bool = True, g
 def bench_hf(name: str, bs: int = 32, bf16_adapters: bool = True) -> dict:
     """HF + PEFT per-policy loop (set_adapter), length-sorted batches, left padding, logits_to_keep=1.
     PEFT keeps the adapters of a bf16 model in fp32 by default (autocast_adapter_dtype); cast to bf16 the
-    loop ran 1.56x faster on W1 (35.9k vs 23.0k tok/s, run 11): that is the baseline."""
+    loop ran 1.56x faster on W1 (35.9k vs 23.0k tok/s): that is the baseline."""
     w = WORKLOADS[name]
     cfg = shape(w.model)
     model = hf_peft_model(cfg, w.adapters)
@@ -177,7 +177,7 @@ def bench_gemm() -> list[dict]:
             return lora_gemm(z8, zs, zw, zws, s, B, ad, None, y, torch.bfloat16)
 
         # CUDA-graph replays: at a few hundred rows the kernels run ~15 us, less than a Python launch,
-        # so plain event timing measured the launcher (run 3: 0.10 ms fused vs 0.05 ms _scaled_mm)
+        # so plain event timing measured the launcher (0.10 ms fused vs 0.05 ms _scaled_mm)
         t = {k: do_bench_cudagraph(f, rep=100, return_mode="median") for k, f in
              (("fused", fused), ("scaled_mm", scaled), ("separate", separate))}
         tflops = 2 * M * N * K / (t["fused"] * 1e-3) / 1e12
@@ -212,7 +212,7 @@ def main() -> None:
     if args.no_cache:
         res["engine"].append(bench_engine("W2", args.budget, cache=False, sampler=sampler))
     if args.graphs:
-        for graphs in (True, False):  # W1 at 2048 (run 7): 73.9k with graphs, 74.2k without: GPU-bound
+        for graphs in (True, False):  # W1 at 2048: 73.9k with graphs, 74.2k without: GPU-bound
             res["engine"].append(bench_engine("W4", int(args.graphs), graphs=graphs, sampler=sampler))
     if args.sustained:
         res["sustained"] = sustained_gemm_rates(sampler)

@@ -131,7 +131,7 @@ def sweep_gemm() -> None:
 
 
 def sweep_gemm_w4() -> None:
-    """Full batches at W4's shapes (Llama-3.2-1B: K = 2048, N = 2048 for o and down), never swept before run 19;
+    """Full batches at W4's shapes (Llama-3.2-1B: K = 2048, N = 2048 for o and down), not swept before;
     128x256 tiles at N = 2048 make 7.8 waves on 132 SMs."""
     persistent = {"TMA": True, "PERSISTENT": True}
     _gemm_configs(T, [(128, 256, 8, 3, 8), (128, 128, 8, 4, 8), (128, 128, 4, 4, 8), (256, 128, 8, 3, 8)],
@@ -165,7 +165,7 @@ TRITON_BIG = {"TMA": True, "PERSISTENT": True}  # the Triton kernel's config for
 def sweep_gemm_ws() -> None:
     """The warp-specialized ping-pong Gluon GEMM (kernels/lora_gemm_ws.py) against the Triton kernel's
     default config and torch._scaled_mm: error against the fp64 twin and bitwise agreement on odd shapes, then
-    time at W1's and W4's shapes by the grouped order's group size (6 stages never fit in shared memory, run 22)."""
+    time at W1's and W4's shapes by the grouped order's group size (6 stages never fit in shared memory)."""
     from policyscan.kernels.lora_gemm_ws import lora_gemm_ws
     g = torch.Generator(device="cuda").manual_seed(0)
     for M, N, K, kind in [(1000, 1000, 1008, "qkv"), (333, 2056, 512, "o"), (4097, 784, 2048, "gate_up"),
@@ -191,7 +191,7 @@ def sweep_gemm_ws() -> None:
                  "triton": timed(lambda: lora_gemm(*args, silu_out=so, out=out, config=TRITON_BIG))}
             ref = lora_gemm_ws(*args[:9], out.clone(), silu_out=so)
             # the grouped tile order's group size, each twice (64x256 tiles, one m64n256 MMA a k step, lost at
-            # every shape in run 55: 0.85-0.92x of 128x128; 5 stages lost in run 22)
+            # every shape: 0.85-0.92x of 128x128; 5 stages lost)
             for gm in (8, 16, 32) * 2:
                 key = f"ws g{gm}"
                 run = lambda: lora_gemm_ws(*args[:9], out, silu_out=so, group_m=gm)  # noqa: E731
@@ -234,8 +234,8 @@ def sweep_attention(baseline=None) -> None:
                   f"bitwise the same rows: {same}")
         G = H // Hkv
         rows = []
-        # rows = BQ queries x G heads (no dead heads since run 55); 128 rows with two warpgroups; maxnreg 168 or
-        # 128: three or four programs an SM (64x64 and one-warpgroup 128-row tiles lost in run 55)
+        # rows = BQ queries x G heads (no dead heads); 128 rows with two warpgroups; maxnreg 168 or
+        # 128: three or four programs an SM (64x64 and one-warpgroup 128-row tiles lost)
         for (rows_, nw), bn, ns, mr in itertools.product([(64, 4), (128, 8)], [32], [2, 3], [None, 168, 128]):
             cfg = dict(BQ=rows_ // G, BN=bn, num_warps=nw, num_stages=ns, maxnreg=mr)
             t = timed(lambda: varlen_attention(qkv, cu, shape, D ** -0.5, config=cfg))

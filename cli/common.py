@@ -41,7 +41,7 @@ def clip_chars(max_length: int) -> int:
 def preload_arrow() -> None:
     """Start pyarrow's one-time setup in a thread while the model loads: pyarrow imports pandas (when it is
     installed) on the first array it builds from Python or numpy objects, which was the first chunk's write,
-    0.28-0.42 s inside the scoring window of W1's E2E run on the device (run 41, bench/NOTES.md); and the
+    0.28-0.42 s inside the scoring window of W1's E2E run on the device; and the
     writer's first `take` imports pyarrow.compute (0.07 s on the 2-core CPU machine)."""
     threading.Thread(target=_first_arrays, name="policyscan-preload-arrow").start()
 

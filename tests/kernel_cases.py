@@ -88,7 +88,7 @@ def shrink_in_k_order(h: torch.Tensor, A: torch.Tensor, token_adapter: torch.Ten
     """The LoRA shrink in fp32 summed the way a tensor-core kernel sums: bk-wide dot products added in K order.
     reference.lora_shrink sums narrow outputs (r < 16) in one tree reduction over K, far more accurate than
     any blocked kernel, so on few outputs its error alone makes a bound that a correct kernel can miss
-    (run 17: 5 rows at r = 1, K = 3072 came out 4.5x the twin's error)."""
+    (on the GPU, 5 rows at r = 1, K = 3072 came out 4.5x the twin's error)."""
     M, K = h.shape
     pad = (-K) % bk
     s = torch.zeros(M, A.shape[1], dtype=torch.float32, device=h.device)
