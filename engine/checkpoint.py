@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,9 +72,6 @@ class Checkpoint:
         with safe_open(path, framework="pt") as f:
             return f.get_tensor(name)
 
-    def read_ahead(self, layers: int = 2, threads: int = 8) -> ReadAhead:
-        return ReadAhead(self, layers, threads)
-
     def get_rows(self, name: str, rows: list[int]) -> torch.Tensor:
         """Some rows of a 2-D tensor, read without loading the rest (the two label rows of a 128k vocabulary)."""
         path = self.files.get(name)
@@ -140,36 +136,3 @@ def _check_fp8_config(qc: dict, where: Path) -> None:
         w = group.get("weights") or {}
         if w.get("num_bits") != 8 or w.get("type") != "float" or w.get("strategy") != "channel":
             raise CheckpointError(f"{where}: only FP8 e4m3 weights with per-channel scales are supported, got {w}")
-
-
-class ReadAhead:
-    """Checkpoint.get, reading the next `layers` decoder layers' tensors on threads while the caller moves and
-    quantizes this one's: a W1 load read, moved and quantized 6.4 GB one tensor after another in 3.1 s. A tensor
-    is handed out once; at most `layers` + 1 layers are held on the host."""
-
-    def __init__(self, ckpt: Checkpoint, layers: int, threads: int):
-        self.ckpt, self.layers = ckpt, layers
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="policyscan-read")
-        self.by_layer: dict[int, list[str]] = {}
-        for name in ckpt.files:
-            m = re.match(r"model\.layers\.(\d+)\.", name)
-            if m:
-                self.by_layer.setdefault(int(m.group(1)), []).append(name)
-        self.pending: dict[str, Future] = {}
-        self.asked: set[int] = set()
-
-    def get(self, name: str) -> torch.Tensor:
-        m = re.match(r"model\.layers\.(\d+)\.", name)
-        if m:
-            for i in range(int(m.group(1)), int(m.group(1)) + self.layers + 1):
-                if i in self.by_layer and i not in self.asked:
-                    self.asked.add(i)
-                    self.pending.update({n: self.pool.submit(self.ckpt.get, n) for n in self.by_layer[i]})
-        fut = self.pending.pop(name, None)
-        return fut.result() if fut is not None else self.ckpt.get(name)
-
-    def close(self) -> None:
-        for fut in self.pending.values():
-            fut.cancel()
-        self.pool.shutdown(wait=True)
-        self.pending.clear()

@@ -30,17 +30,9 @@ def load_decoder(ckpt: Checkpoint, ops: ModuleType, precision: Precision,
     if ckpt.fp8 and not precision.fp8_weights:
         raise ValueError(f"{ckpt.model_dir} is an FP8 checkpoint: its precision needs fp8_weights (got {precision})")
     dtype = precision.dtype
-    reads = ckpt.read_ahead()
-    try:
-        return _build(ckpt, cfg, ops, precision, dtype, torch.device(device), reads.get)
-    finally:
-        reads.close()
 
-
-def _build(ckpt: Checkpoint, cfg: ModelConfig, ops: ModuleType, precision: Precision, dtype: torch.dtype,
-           device: torch.device, read) -> Decoder:
     def get(name: str) -> torch.Tensor:
-        return read(name).to(device)
+        return ckpt.get(name).to(device)
 
     def weight(base: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = get(base + ".weight")

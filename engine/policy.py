@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,10 +186,7 @@ def load_policies(paths: list[str | Path]) -> list[Policy]:
             bundles += found
         else:
             raise PolicyError(f"{path}: no such policy bundle or folder")
-    # on threads (reads and tensor conversions release the GIL): W1's 8 adapters took 2.0 s of start-up in turn;
-    # map raises the first failing bundle's error, in order
-    with ThreadPoolExecutor(min(8, len(bundles) or 1)) as pool:
-        out = list(pool.map(load_policy, bundles))
+    out = [load_policy(b) for b in bundles]
     names = [p.name for p in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
