@@ -130,30 +130,35 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     rope: q and k heads of y rotated (RopeCols, rope_cols) after its rounding; a plain output only."""
     if rope is not None and (silu_out or row_amax):
         raise ValueError("rope applies to a plain projection's output (no SiLU epilogue, no row maxima)")
-    if out is not None:  # as the GPU launcher: out filled, and the row maxima too when asked for
-        res = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out,
-                        row_amax=row_amax, amax_weight=amax_weight, rope=rope, gelu=gelu)
-        out.copy_(res[0] if row_amax else res)
-        return (out, res[1]) if row_amax else out
     if row_amax:
-        y = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out, gelu=gelu)
+        y = lora_gemm(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, silu_out, out=out,
+                      gelu=gelu)
         return y, amax_parts(y if amax_weight is None else y.float() * amax_weight.float())
     dt = torch.float64 if torch.float64 in (out_dtype, W.dtype) else torch.float32
+    shape = (x.shape[0], W.shape[0] // 2 if silu_out else W.shape[0])
+    if out is not None and (tuple(out.shape) != shape or out.dtype != out_dtype):
+        raise ValueError(f"out must be {list(shape)} {out_dtype}, got {list(out.shape)} {out.dtype}")
+    y = x.new_empty(shape, dtype=out_dtype) if out is None else out  # as the GPU launcher: out written in place
 
-    def rows(r: slice) -> torch.Tensor:
-        y = _lora_rows(x[r], None if x_scale is None else x_scale[r], W, w_scale, None if s is None else s[r],
-                       B, token_adapter[r], bias, None if residual is None else residual[r], out_dtype, dt,
-                       silu_out, gelu)
-        return rope_cols(y, replace(rope, positions=rope.positions[r])) if rope is not None else y
-    return by_rows(rows, x.shape[0])
+    def rows(r: slice) -> None:
+        _lora_rows(x[r], None if x_scale is None else x_scale[r], W, w_scale, None if s is None else s[r],
+                   B, token_adapter[r], bias, None if residual is None else residual[r], dt, silu_out, gelu, y[r])
+        if rope is not None:
+            rope_cols(y[r], replace(rope, positions=rope.positions[r]))
+    by_rows(rows, x.shape[0])
+    return y
 
 
-def _lora_rows(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_dtype, dt, silu_out,
-               gelu) -> torch.Tensor:
-    """lora_gemm's arithmetic on some rows, start to finish."""
-    acc = rows_matmul(x.to(dt), W.to(dt))
+def _lora_rows(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, dt, silu_out, gelu,
+               out: torch.Tensor) -> None:
+    """lora_gemm's arithmetic on some rows, start to finish, into out (those rows of the output). The
+    accumulator is out itself where it can be (a plain fp32 or fp64 projection), with the same operations in
+    place: the same bits."""
+    shared = {t.untyped_storage().data_ptr() for t in (x, residual) if t is not None}
+    direct = not silu_out and out.dtype == dt and out.is_contiguous() and out.untyped_storage().data_ptr() not in shared
+    acc = rows_matmul(x.to(dt), W.to(dt), out if direct else None)
     if x_scale is not None:
-        acc = acc * (x_scale.to(dt)[:, None] * w_scale.to(dt)[None, :])
+        acc.mul_(x_scale.to(dt)[:, None] * w_scale.to(dt)[None, :])
     if s is not None:
         lo = s.to(B.dtype).to(dt)
         for a in torch.unique(token_adapter).tolist():
@@ -162,13 +167,14 @@ def _lora_rows(x, x_scale, W, w_scale, s, B, token_adapter, bias, residual, out_
             rows = _rows(token_adapter, a)
             acc[rows] += rows_matmul(lo[rows], B[a].to(dt))
     if bias is not None:
-        acc = acc + bias.to(dt)
+        acc += bias.to(dt)
     if residual is not None:
-        acc = acc + residual.to(dt)
+        acc += residual.to(dt)
     if silu_out:
         act = partial(F.gelu, approximate="tanh") if gelu else F.silu
-        return (act(acc[:, 0::2]) * acc[:, 1::2]).to(out_dtype)
-    return acc.to(out_dtype)
+        out.copy_(act(acc[:, 0::2]) * acc[:, 1::2])
+    elif not direct:
+        out.copy_(acc)
 
 
 def interleave_halves(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
