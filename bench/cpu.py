@@ -6,11 +6,13 @@ A random Llama (mid: hidden 512, 6 layers; 1b: Llama-3.2-1B's shape, 4 layers of
 policy on every projection; seeded prompt lengths (bench/workloads.py). policyscan runs its reference twins
 in packed batches (engine's default thread count unless --threads); HF runs each prompt alone (no padding),
 on torch's default threads, as a user's script would. "busy" adds a subprocess that spins a 2-thread matmul
-for the whole measurement. Prints tokens/s and the ratio policyscan / HF for each condition."""
+for the whole measurement. Prints the median tokens/s over alternating passes and the median ratio policyscan / HF
+for each condition."""
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,18 +85,18 @@ def hf_tps(model: Path, policy: Path, seqs: list[list[int]]) -> float:
     return sum(map(len, seqs)) / dt
 
 
-def measure(model: Path, policy: Path, seqs: list[list[int]], threads: int, busy: bool) -> tuple[float, float]:
+def measure(model: Path, policy: Path, seqs: list[list[int]], threads: int, busy: bool,
+            repeats: int) -> list[tuple[float, float]]:
+    """(policyscan, HF) tokens/s, alternating, `repeats` times: a shared machine drifts between passes."""
     spin = subprocess.Popen([sys.executable, "-c", SPIN]) if busy else None
     try:
         if spin is not None:
             time.sleep(1.0)  # the competitor is running before the clock starts
-        ours = policyscan_tps(model, policy, seqs, threads)
-        theirs = hf_tps(model, policy, seqs)
+        return [(policyscan_tps(model, policy, seqs, threads), hf_tps(model, policy, seqs)) for _ in range(repeats)]
     finally:
         if spin is not None:
             spin.kill()
             spin.wait()
-    return ours, theirs
 
 
 def main() -> None:
@@ -102,6 +104,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mid")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating passes of each; medians are printed")
     args = ap.parse_args()
     threads = args.threads or default_threads()
     g = torch.Generator().manual_seed(0)
@@ -111,9 +114,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model, policy = build(Path(tmp), args.shape)
         for busy in (False, True):
-            ours, theirs = measure(model, policy, seqs, threads, busy)
+            runs = measure(model, policy, seqs, threads, busy, args.repeats)
+            ours, theirs = (statistics.median(r[i] for r in runs) for i in (0, 1))
+            ratios = ", ".join(f"{o / t:.2f}" for o, t in runs)
             print(f"{'busy' if busy else 'idle'}: policyscan {ours:,.0f} tok/s, HF fp32 SDPA + PEFT {theirs:,.0f} "
-                  f"tok/s, ratio {ours / theirs:.2f}x", flush=True)
+                  f"tok/s (medians of {len(runs)}), ratio {statistics.median(o / t for o, t in runs):.2f}x (each "
+                  f"pass: {ratios})", flush=True)
 
 
 if __name__ == "__main__":
