@@ -5,47 +5,53 @@ batches: on a fresh machine W1 spent 28 s more than a warm run compiling, and an
 small-batch variants again. Here a dry run of the decoder (the prefixes' prefill, one eager batch per
 specialization class, each CUDA-graph bucket) launches nothing: every Triton launch runs as a warm-up, and
 Triton's jit_cache_hook records each variant this process has not loaded yet and skips its compile. Variants
-that no earlier run compiled go to a pool of processes that compile them into Triton's disk cache at once; the
-real batches then load them from disk. The dry run computes nothing that is kept, and a variant it missed
-compiles when first launched, as before: what a run computes does not change, only when kernels compile.
+that no earlier run compiled go to child processes that compile them into Triton's disk cache at once
+(engine/compile_procs.py); the real batches then load them from disk. Anything failing on the way (no child
+process, a read-only cache) only leaves those kernels to compile at launch. The dry run computes nothing that
+is kept, and a variant it missed compiles when first launched, as before: what a run computes does not change,
+only when kernels compile.
 
 A marker per variant beside Triton's cache (policyscan_variants/) says it compiled there, so a warm machine
-starts no pool, and a manifest per run configuration lists its variants, so a repeated nightly run skips the dry
-run too (1.6 s at W1); wiping Triton's cache wipes both with it."""
+starts no child process, and a manifest per run configuration lists its variants, so a repeated nightly run
+skips the dry run too (1.6 s at W1); wiping Triton's cache wipes both with it."""
 from __future__ import annotations
 
 import hashlib
-import importlib
-import multiprocessing
 import os
+import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from policyscan.engine.compile_procs import compile_variants
 from policyscan.engine.graphs import GraphedForward, static_batch
 from policyscan.engine.model import Decoder
 
 
+_LOCK = threading.Lock()  # one dry run at a time: each patches Triton for the whole process
+_LOCAL = threading.local()  # .on: this thread is in a dry run (other threads' launches run as usual)
+
+
 @dataclass(frozen=True)
 class Variant:
-    module: str  # the kernel's module and name: what a worker process imports
+    module: str  # the kernel's module and name: what a child process imports
     name: str
     data: str    # Triton's serialized specialization (JITFunction.preload takes it)
+    source: str  # the kernel's source hash (JITFunction.cache_key): an edited kernel is a new variant
 
     @property
     def key(self) -> str:
-        return hashlib.sha256(f"{self.module}.{self.name}\0{self.data}".encode()).hexdigest()
+        return hashlib.sha256(f"{self.module}.{self.name}\0{self.source}\0{self.data}".encode()).hexdigest()
 
 
 @dataclass(frozen=True)
 class CompileReport:
     variants: int   # variants the dry run met
-    compiled: int   # of them compiled ahead in the pool (none on a warm machine)
-    failed: int     # that the pool could not compile: they compile when first launched
+    compiled: int   # of them compiled ahead in child processes (none on a warm machine)
+    failed: int     # that no child compiled: they compile when first launched
     workers: int
     seconds: float
 
@@ -79,7 +85,7 @@ def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
 
 def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, graphs: bool, run_id: str,
                   max_workers: int = 16) -> CompileReport:
-    """The dry run, then the pool for the variants no marker covers (see the module docstring). run_id names
+    """The dry run, then child processes for the variants no marker covers (see the module docstring). run_id names
     everything that decides the variants (model, precision, policies, settings, kernel sources: variants_id);
     a run whose id compiled before, its every variant still marked, skips the dry run too."""
     t0 = time.perf_counter()
@@ -96,41 +102,33 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
         return CompileReport(0, 0, 0, 0, time.perf_counter() - t0)
     todo = [v for v in variants if not (marks / v.key).exists()]
     workers = min(len(todo), max_workers, os.cpu_count() or 1)
-    failed = 0
-    if todo:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [(v, pool.submit(_preload, v.module, v.name, v.data)) for v in todo]
-            for v, fut in futures:
-                try:
-                    fut.result()
-                except Exception:  # noqa: BLE001  a failed compile fails again, with its message, at launch
-                    failed += 1
-                    continue
-                marks.mkdir(parents=True, exist_ok=True)
-                (marks / v.key).touch()
-    if not failed:
-        try:
-            marks.mkdir(parents=True, exist_ok=True)
-            manifest.write_text("\n".join(v.key for v in variants))
-        except OSError:
-            pass
-    return CompileReport(len(variants), len(todo) - failed, failed, workers, time.perf_counter() - t0)
+    errors = compile_variants([(v.module, v.name, v.data) for v in todo], workers) if todo else []
+    done = [v for v, err in zip(todo, errors) if err is None]
+    try:
+        marks.mkdir(parents=True, exist_ok=True)
+        for v in done:
+            (marks / v.key).touch()
+        if len(done) == len(todo):
+            tmp = marks / f"run-{run_id}.{os.getpid()}.tmp"
+            tmp.write_text("\n".join(v.key for v in variants))
+            os.replace(tmp, manifest)
+    except OSError:  # a read-only or foreign cache folder: the next run dry-runs again, nothing worse
+        pass
+    return CompileReport(len(variants), len(done), len(todo) - len(done), workers, time.perf_counter() - t0)
 
 
 def variants_id(*parts: object) -> str:
     """A hash of what decides a run's kernel variants (compile_ahead's run_id): the caller's parts, Triton's
-    version and the source of policyscan's kernels."""
+    version, the GPU, and the source of policyscan's engine and kernels (shapes, buckets, launchers)."""
     import triton
 
-    h = hashlib.sha256(repr((triton.__version__, parts)).encode())
-    for f in sorted((Path(__file__).resolve().parent.parent / "kernels").glob("*.py")):
+    gpu = torch.cuda.get_device_properties(torch.cuda.current_device())
+    h = hashlib.sha256(repr((triton.__version__, gpu.name, gpu.major, gpu.minor, gpu.multi_processor_count,
+                             parts)).encode())
+    root = Path(__file__).resolve().parent.parent
+    for f in sorted([*(root / "engine").glob("*.py"), *(root / "kernels").glob("*.py")]):
         h.update(f.read_bytes())
     return h.hexdigest()[:32]
-
-
-def _preload(module: str, name: str, data: str) -> None:
-    """In a pool process: compile one variant into Triton's disk cache."""
-    getattr(importlib.import_module(module), name).preload(data)
 
 
 def _marker_dir() -> Path:
@@ -152,27 +150,32 @@ def _dry_run(decoder: Decoder, heads: list[list[int]], shapes: list[tuple[int, i
 
 @contextmanager
 def _record(seen: dict[str, Variant], missing: list):
-    """Every Triton launch in the block runs as a warm-up (nothing launches); each variant not loaded in this
-    process is recorded and its compile skipped."""
+    """Every Triton launch of this thread in the block runs as a warm-up (nothing launches); each variant not
+    loaded in this process is recorded and its compile skipped. Other threads launch and compile as usual."""
     import triton
     from triton.runtime.jit import JITFunction
 
-    def hook(*, fn, compile, **_):
-        data = compile.get("specialization_data")
-        if data is None:
-            missing.append(fn.name)
-        else:
-            v = Variant(fn.module, fn.name, data)
-            seen.setdefault(v.key, v)
-        return True  # skip: the pool compiles it
+    with _LOCK:
+        run, old_hook = JITFunction.run, triton.knobs.runtime.jit_cache_hook
 
-    run, old_hook = JITFunction.run, triton.knobs.runtime.jit_cache_hook
+        def hook(*, fn, compile, **kwargs):
+            if not getattr(_LOCAL, "on", False):
+                return old_hook(fn=fn, compile=compile, **kwargs) if old_hook else None
+            data = compile.get("specialization_data")
+            if data is None:
+                missing.append(fn.name)
+            else:
+                v = Variant(fn.module, fn.name, data, str(getattr(fn.jit_function, "cache_key", "")))
+                seen.setdefault(v.key, v)
+            return True  # skip: a child process compiles it
 
-    def warmup_only(self, *args, grid, warmup, **kwargs):
-        return run(self, *args, grid=grid, warmup=True, **kwargs)
+        def warmup_in_dry_run(self, *args, grid, warmup, **kwargs):
+            return run(self, *args, grid=grid, warmup=warmup or getattr(_LOCAL, "on", False), **kwargs)
 
-    JITFunction.run, triton.knobs.runtime.jit_cache_hook = warmup_only, hook
-    try:
-        yield
-    finally:
-        JITFunction.run, triton.knobs.runtime.jit_cache_hook = run, old_hook
+        JITFunction.run, triton.knobs.runtime.jit_cache_hook = warmup_in_dry_run, hook
+        _LOCAL.on = True
+        try:
+            yield
+        finally:
+            _LOCAL.on = False
+            JITFunction.run, triton.knobs.runtime.jit_cache_hook = run, old_hook

@@ -50,9 +50,10 @@ class WorkerConfig:
 
     def without_adapters(self) -> WorkerConfig:
         """What a worker is sent: its policies without their LoRA factors (W1's 8 adapters are 780 MB in fp32,
-        pickled through a pipe to every worker), which with_adapters reads again from the bundles."""
-        return replace(self, policies=tuple(replace(p, lora=LoraWeights({}, {})) if p.adapter_sha256 else p
-                                            for p in self.policies))
+        pickled through a pipe to every worker), which with_adapters reads again from the bundles; their scales
+        (from adapter_config.json) stay, to be compared."""
+        return replace(self, policies=tuple(replace(p, lora=LoraWeights({}, p.lora.scales)) if p.adapter_sha256
+                                            else p for p in self.policies))
 
     def with_adapters(self) -> WorkerConfig:
         """In a worker: each policy's factors read from its bundle, checked by sha256 to be those the parent read."""
@@ -60,9 +61,10 @@ class WorkerConfig:
         for p in self.policies:
             if p.adapter_sha256 is not None:
                 lora, sha = load_adapter(p.path)
-                if sha != p.adapter_sha256:
-                    raise PolicyError(f"{p.path}: the adapter changed while the run started (sha256 "
-                                      f"{p.adapter_sha256[:12]}... then, {(sha or 'none')[:12]}... now); run again")
+                if sha != p.adapter_sha256 or lora.scales != p.lora.scales:  # the scales: adapter_config.json
+                    raise PolicyError(f"{p.path}: the adapter changed while the run started (its weights, sha256 "
+                                      f"{p.adapter_sha256[:12]}... then, {(sha or 'none')[:12]}... now, or the "
+                                      "scales of its adapter_config.json); run again")
                 p = replace(p, lora=lora)
             pols.append(p)
         return replace(self, policies=tuple(pols))

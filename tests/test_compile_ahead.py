@@ -28,7 +28,8 @@ engine = Engine(model, load_policies([Path(policies)]),
 misses = []
 
 def hook(*, fn, compile, **_):  # each variant this process loads or compiles at launch
-    if not (_marker_dir() / Variant(fn.module, fn.name, compile["specialization_data"]).key).exists():
+    v = Variant(fn.module, fn.name, compile["specialization_data"], str(getattr(fn.jit_function, "cache_key", "")))
+    if not (_marker_dir() / v.key).exists():
         misses.append(f"{fn.name}: {compile['specialization_data']}")
     return False
 

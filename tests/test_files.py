@@ -17,6 +17,7 @@ def reads(monkeypatch, tmp_path):
     remembers)."""
     monkeypatch.setenv("POLICYSCAN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(files, "_SHA_CACHE", {})
+    monkeypatch.setattr(files, "SETTLED_NS", -1)  # files written by the test count as settled
     seen: list[str] = []
     real = files.file_sha256
     monkeypatch.setattr(files, "file_sha256", lambda p, *a: seen.append(p.name) or real(p, *a))
@@ -35,6 +36,17 @@ def test_unchanged_file_is_read_once_across_runs(reads, monkeypatch, tmp_path):
     forget(monkeypatch)
     assert files.cached_sha256(f) == want
     assert reads == ["w.bin"]
+
+
+def test_a_file_written_just_now_is_not_remembered(reads, monkeypatch, tmp_path):
+    """Within the settling time a rewrite could keep the identity it was hashed under (a coarse clock)."""
+    monkeypatch.setattr(files, "SETTLED_NS", 60_000_000_000)
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"new" * 100)
+    files.cached_sha256(f)
+    forget(monkeypatch)
+    files.cached_sha256(f)
+    assert reads == ["w.bin", "w.bin"] and not (tmp_path / "cache" / "sha256").exists()
 
 
 def test_changed_file_is_read_again(reads, monkeypatch, tmp_path):
@@ -57,11 +69,12 @@ def test_corrupt_or_unwritable_cache_falls_back_to_reading(reads, monkeypatch, t
         entry.write_text("not a digest")
     forget(monkeypatch)
     assert files.cached_sha256(f) == hashlib.sha256(b"x" * 100).hexdigest()
-    (tmp_path / "blocker").write_text("a file where the cache folder would be")
+    (tmp_path / "blocker").write_text("a file where the cache folder would be")  # and no .tmp left behind
     monkeypatch.setenv("POLICYSCAN_CACHE_DIR", str(tmp_path / "blocker"))
     forget(monkeypatch)
     assert files.cached_sha256(f) == hashlib.sha256(b"x" * 100).hexdigest()
     assert reads == ["w.bin"] * 3
+    assert not [p for p in tmp_path.rglob("*.tmp")]
 
 
 def test_verify_reads_every_file(reads, monkeypatch, tmp_path):

@@ -143,6 +143,12 @@ def test_workers_are_sent_policies_without_factors_and_read_them_back(tmp_path):
                    for (a, b), (c, d) in zip(p.lora.factors.values(), q.lora.factors.values()))
     assert [replace_lora(p) for p in back.policies] == [replace_lora(p) for p in cfg.policies]
     changed = next(p for p in cfg.policies if p.adapter_sha256)
+    conf = changed.path / "adapter_config.json"
+    original = conf.read_text()
+    conf.write_text(json.dumps({**json.loads(original), "lora_alpha": 1234}))
+    with pytest.raises(PolicyscanError, match="adapter changed while the run started"):
+        sent.with_adapters()
+    conf.write_text(original)
     weights = changed.path / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8] + b"\x00" * 8)
     with pytest.raises(PolicyscanError, match="adapter changed while the run started"):

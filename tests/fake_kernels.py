@@ -1,0 +1,14 @@
+"""A stand-in for a Triton kernel module in tests/test_compile_procs.py: `kernel.preload(data)` leaves a file named
+data in $FAKE_OUT holding the pid that wrote it, or fails for data == "boom"."""
+import os
+from pathlib import Path
+
+
+class _Kernel:
+    def preload(self, data: str) -> None:
+        if data == "boom":
+            raise ValueError("cannot compile this one")
+        Path(os.environ["FAKE_OUT"], data).write_text(str(os.getpid()))
+
+
+kernel = _Kernel()
