@@ -97,8 +97,11 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
             return CompileReport(len(known), 0, 0, 0, time.perf_counter() - t0)
     except OSError:
         pass
-    variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs))
-    if variants is None:  # this Triton's hook gives no serialized specialization: compile as launched
+    try:
+        variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs))
+    except Exception:  # noqa: BLE001  a Triton whose hooks differ: the kernels compile as launched, as before
+        variants = None
+    if variants is None:  # or its hook gives no serialized specialization
         return CompileReport(0, 0, 0, 0, time.perf_counter() - t0)
     todo = [v for v in variants if not (marks / v.key).exists()]
     workers = min(len(todo), max_workers, os.cpu_count() or 1)
@@ -165,7 +168,7 @@ def _record(seen: dict[str, Variant], missing: list):
             if data is None:
                 missing.append(fn.name)
             else:
-                v = Variant(fn.module, fn.name, data, str(getattr(fn.jit_function, "cache_key", "")))
+                v = Variant(fn.module, fn.name, data, str(getattr(getattr(fn, "jit_function", None), "cache_key", "")))
                 seen.setdefault(v.key, v)
             return True  # skip: a child process compiles it
 
