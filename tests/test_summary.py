@@ -1,4 +1,5 @@
-"""The summary's time split: start-up, load, compile, scoring, writing and the rest, each non-negative, summing to the whole."""
+"""The summary's time split: start-up, load, compile, scoring, writing and the rest, each non-negative, summing
+to the whole."""
 from __future__ import annotations
 
 import re
