@@ -18,7 +18,8 @@ for compiling kernels or reading the checkpoint from disk.
 (b) The CLI scores a single GPU in its own process and takes the worker path only for several devices. So (b)
 is `policyscan score` with cli.score._worker_devices answering the one device: the CLI's own settings, chat
 template, WorkerPool, score_inputs_workers, summary and metadata, with only that choice forced (the run is
-checked to have said "[1 workers: ...]"). No CLI option does this: one worker on one GPU only costs a user.
+checked to have said "[1 workers: ...]"), and its workers' fork server started as the command line starts it when
+it will run workers (engine/worker_start.py). No CLI option does this: one worker on one GPU only costs a user.
 (c) The Ray cluster starts in this process before (c) is timed, as a cluster runs before its jobs; its start-up
 is printed apart. Every process sees one GPU (CUDA_VISIBLE_DEVICES), the cluster included.
 
@@ -49,7 +50,9 @@ LABELS = {"cli": "(a) policyscan score, in-process", "workers": "(b) local worke
           "ray": "(c) policyscan score --ray, 1 actor"}
 # Every path is launched alike; (b) with the CLI's device choice answering one worker (see the docstring)
 MAIN = "import policyscan.cli.main as m; m.main()"
-WORKERS_MAIN = ("import policyscan.cli.main as m, policyscan.cli.score as s; "
+# ... and the fork server started first, as the command line starts it when it will run workers (worker_start.py)
+WORKERS_MAIN = ("import policyscan.engine.worker_start as w; w.prestart(['score', '--devices', 'all']); "
+                "import policyscan.cli.main as m, policyscan.cli.score as s; "
                 "s._worker_devices = lambda device, devices, workers: ('cpu',) if device == 'cpu' else ('0',); "
                 "m.main()")
 # what each path says on stderr when it runs as intended: in-process, one worker, one actor

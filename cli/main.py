@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import signal
+import sys
 
-import click
+from policyscan.engine.worker_start import prestart
 
-from policyscan.engine.runner import version
-from policyscan.cli.calibrate import calibrate
-from policyscan.cli.inspect import inspect_cmd
-from policyscan.cli.quantize import quantize
-from policyscan.cli.score import score
-from policyscan.cli.verify import verify
+prestart(sys.argv[1:])  # before the imports below (torch): workers fork from a server importing in parallel
+
+import click  # noqa: E402
+
+from policyscan.engine.runner import version  # noqa: E402
+from policyscan.cli.calibrate import calibrate  # noqa: E402
+from policyscan.cli.inspect import inspect_cmd  # noqa: E402
+from policyscan.cli.quantize import quantize  # noqa: E402
+from policyscan.cli.score import score  # noqa: E402
+from policyscan.cli.verify import verify  # noqa: E402
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -8,6 +8,7 @@ starting at the same moment may each compile one kernel, writing the same file).
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 import time
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,7 @@ from policyscan.engine.errors import PolicyError, PolicyscanError
 from policyscan.engine.policy import LoraWeights, Policy, load_adapter
 from policyscan.engine.runner import EngineSettings
 from policyscan.engine.units import Unit
+from policyscan.engine.worker_start import context
 from policyscan.engine.workers_proc import worker_main
 
 DEPTH = 2     # units a worker holds: the one it scores and the next, which its reader thread reads meanwhile
@@ -101,7 +103,7 @@ class WorkerPool:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.policies = list(config.policies)
-        self._ctx = mp.get_context("spawn")  # fork would copy a parent's CUDA state and threads
+        self._ctx = context()  # a fork server's or spawn: a plain fork would copy a parent's CUDA state and threads
         self._restarts = [RESTARTS] * len(config.devices)
         self._loaded = [False] * len(config.devices)  # a slot whose worker loaded once: a later failure is a death
         self._described: tuple[dict, dict] | None = None
@@ -128,7 +130,8 @@ class WorkerPool:
 
     def _start(self, slot: int) -> Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=worker_main, args=(child, self.config.without_adapters(), slot), daemon=True,
+        proc = self._ctx.Process(target=worker_main, args=(child, self.config.without_adapters(), slot,
+                                                           dict(os.environ)), daemon=True,
                                  name=f"policyscan-worker-{self.config.label(slot)}")
         proc.start()
         child.close()

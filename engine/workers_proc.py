@@ -18,6 +18,7 @@ from policyscan.engine.pipeline import Accounting, FileFailure, StrictStop, _has
 from policyscan.engine.rows import PartialFileError
 from policyscan.engine.runner import Engine
 from policyscan.engine.units import unit_items
+from policyscan.engine.worker_start import apply_env
 
 KILL_ENV = "POLICYSCAN_TEST_KILL"  # tests only: "2,5*" SIGKILLs the worker starting unit 2 on its first try, 5 on any
 _END = object()  # a unit's last item
@@ -77,7 +78,8 @@ class _Recorder:
         self.errors.append(args)
 
 
-def worker_main(conn: Connection, config, slot: int) -> None:
+def worker_main(conn: Connection, config, slot: int, env: dict[str, str]) -> None:
+    apply_env(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
     # before CUDA starts (nothing so far touched it): a GPU worker sees its device as cuda:0, a CPU worker none
     os.environ["CUDA_VISIBLE_DEVICES"] = "" if config.devices[slot] == "cpu" else config.devices[slot]

@@ -124,6 +124,19 @@ def test_devices_are_all_a_count_or_indices():
         WorkerConfig(SAMPLE / "model", (), EngineSettings("cuda:1"), ("0", "1"))
 
 
+def test_the_fork_server_starts_early_only_for_runs_with_workers(monkeypatch):
+    from policyscan.engine import worker_start
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    will = worker_start._will_run_workers
+    assert will(["score", "x.parquet"]) and will(["score", "x", "--devices", "0,1"]) and will(["score", "--workers=3"])
+    assert not will(["score", "x", "--device", "cpu"]) and not will(["score", "x", "--device", "cuda:1"])
+    assert not will(["score", "x", "--workers", "1"]) and not will(["score", "x", "--ray"])
+    assert not will(["calibrate", "x"]) and will(["score", "x", "--device", "cpu", "--workers", "2"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert not will(["score", "x.parquet"])
+
+
 def test_workers_are_sent_policies_without_factors_and_read_them_back(tmp_path):
     """A worker gets its policies' LoRA factors from the bundles, not through the pipe, and refuses an adapter that
     changed since the parent read it."""

@@ -1,0 +1,65 @@
+"""How worker processes start (engine/workers.py): forked from a fork server that imported the engine once.
+
+A spawned worker imports torch and the engine itself, after the parent has done the same: W1's one-GPU worker run
+took 1.67-1.70x the in-process wall time, most of it that second import (4 s on the H200 machine) and the model
+load after it. A fork server started when the command line begins imports the engine while the parent does, and
+each worker is forked from it ready to load the model. The server never touches CUDA, so a forked worker starts
+clean as a spawned one; it takes the parent's environment at its start (apply_env), not the server's.
+
+Only the standard library here: the command line imports this before torch."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+from pathlib import Path
+
+PRELOAD = ["policyscan.engine.workers_proc"]
+
+
+def context():
+    """The start method for workers: the fork server where the platform has one, else spawn."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
+def prestart(argv: list[str]) -> None:
+    """Start the fork server now, in parallel with this process's own imports, when the command line will run
+    workers (score with --workers, --devices, or on a host with several GPUs)."""
+    if _will_run_workers(argv) and "forkserver" in mp.get_all_start_methods():
+        from multiprocessing import forkserver
+
+        context()
+        forkserver.ensure_running()
+
+
+def apply_env(env: dict[str, str]) -> None:
+    """In a worker: the parent's environment as it was when the worker started (a fork server's is older)."""
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    os.environ.update(env)
+
+
+def _will_run_workers(argv: list[str]) -> bool:
+    if "score" not in argv or any(a == "--ray" or a.startswith("--ray=") for a in argv):
+        return False
+    if any(a.startswith("--devices") for a in argv):
+        return True
+    workers = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--workers"), None)
+    workers = next((a.split("=", 1)[1] for a in argv if a.startswith("--workers=")), workers)
+    if workers is not None:
+        return workers.isdigit() and int(workers) > 1
+    device = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--device"), "auto")
+    return device in ("auto", "cuda") and _gpus() > 1
+
+
+def _gpus() -> int:
+    """GPUs this process may see, without importing torch: CUDA_VISIBLE_DEVICES, else the NVIDIA driver's list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return sum(1 for _ in gpus.iterdir()) if sys.platform.startswith("linux") and gpus.is_dir() else 0
