@@ -33,7 +33,10 @@ def prestart(argv: list[str]) -> None:
         from multiprocessing import forkserver
 
         context()
-        forkserver.ensure_running()
+        try:
+            forkserver.ensure_running()
+        except OSError:  # no socket or process to be had now: the pool starts the server when it needs it
+            pass
 
 
 def apply_env(env: dict[str, str]) -> None:
