@@ -48,13 +48,14 @@ from workloads import WORKLOADS  # noqa: E402
 
 LABELS = {"cli": "(a) policyscan score, in-process", "workers": "(b) local workers, 1 worker",
           "ray": "(c) policyscan score --ray, 1 actor"}
-# Every path is launched alike; (b) with the CLI's device choice answering one worker (see the docstring)
-MAIN = "import policyscan.cli.main as m; m.main()"
-# ... and the fork server started first, as the command line starts it when it will run workers (worker_start.py)
-WORKERS_MAIN = ("import policyscan.engine.worker_start as w; w.prestart(['score', '--devices', 'all']); "
-                "import policyscan.cli.main as m, policyscan.cli.score as s; "
-                "s._worker_devices = lambda device, devices, workers: ('cpu',) if device == 'cpu' else ('0',); "
-                "m.main()")
+# Every path is launched alike, from a script file as the console script is (its workers re-import it as their
+# parent's main module); (b) with the CLI's device choice answering one worker (see the docstring) and the fork
+# server started first, as the command line starts it when it will run workers (engine/worker_start.py)
+MAIN = "import policyscan.cli.main as m\nif __name__ == '__main__':\n    m.main()\n"
+WORKERS_MAIN = ("import policyscan.engine.worker_start as w\nw.prestart(['score', '--devices', 'all'])\n"
+                "import policyscan.cli.main as m, policyscan.cli.score as s\n"
+                "s._worker_devices = lambda device, devices, workers: ('cpu',) if device == 'cpu' else ('0',)\n"
+                "if __name__ == '__main__':\n    m.main()\n")
 # what each path says on stderr when it runs as intended: in-process, one worker, one actor
 BANNER = {"cli": re.compile(r"\[\w+, [^\]]+, (cpu|cuda(:0)?)\]"),
           "workers": re.compile(r"\[1 workers: (cpu|cuda:0)\]"), "ray": re.compile(r"\[Ray: up to 1 actor, ")}
@@ -79,7 +80,9 @@ def run_path(path: str, root: Path, src: Path, device: str, address: str | None 
     out = root / f"scaleout-{path}.parquet"
     for f in (out, out.with_name(out.name + ".errors.jsonl")):  # so the bits compared are this run's
         f.unlink(missing_ok=True)
-    cmd = [sys.executable, "-c", WORKERS_MAIN if path == "workers" else MAIN, "score", str(src), "-o", str(out),
+    launcher = root / f"scaleout_{path}.py"
+    launcher.write_text(WORKERS_MAIN if path == "workers" else MAIN)
+    cmd = [sys.executable, str(launcher), "score", str(src), "-o", str(out),
            "--model", str(root / "model"), "--policies", str(root / "bundles"), "--device", device, "--no-progress",
            *(["--ray", address] if address else [])]
     t0 = time.perf_counter()

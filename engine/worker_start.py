@@ -4,7 +4,9 @@ A spawned worker imports torch and the engine itself, after the parent has done 
 took 1.67-1.70x the in-process wall time, most of it that second import (4 s on the H200 machine) and the model
 load after it. A fork server started when the command line begins imports the engine while the parent does, and
 each worker is forked from it ready to load the model. The server never touches CUDA, so a forked worker starts
-clean as a spawned one; it takes the parent's environment at its start (apply_env), not the server's.
+clean as a spawned one; it takes the parent's environment at its start (apply_env), not the server's, though
+what libraries read once at import (OMP_NUM_THREADS, say) keeps the values from when the server started: the
+command line changes none in between, but a long-lived library process that does keeps the server's.
 
 Only the standard library here: the command line imports this before torch."""
 from __future__ import annotations
@@ -18,8 +20,10 @@ PRELOAD = ["policyscan.engine.workers_proc"]
 
 
 def context():
-    """The start method for workers: the fork server where the platform has one, else spawn."""
-    if "forkserver" in mp.get_all_start_methods():
+    """The start method for workers: the fork server on Linux, else spawn (forking after torch and Accelerate or
+    libomp are loaded is unsafe on macOS). Setting the server's preload list is process-wide: a host application
+    that runs its own fork server shares it."""
+    if sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         return ctx
@@ -29,13 +33,14 @@ def context():
 def prestart(argv: list[str]) -> None:
     """Start the fork server now, in parallel with this process's own imports, when the command line will run
     workers (score with --workers, --devices, or on a host with several GPUs)."""
-    if _will_run_workers(argv) and "forkserver" in mp.get_all_start_methods():
+    if getattr(mp.current_process(), "_inheriting", False):
+        return  # a worker re-importing the command line as its parent's main module: it starts no server
+    if _will_run_workers(argv) and context().get_start_method() == "forkserver":
         from multiprocessing import forkserver
 
-        context()
         try:
             forkserver.ensure_running()
-        except OSError:  # no socket or process to be had now: the pool starts the server when it needs it
+        except Exception:  # noqa: BLE001  only a speed-up: the pool starts the server when it needs it
             pass
 
 
@@ -47,14 +52,14 @@ def apply_env(env: dict[str, str]) -> None:
 
 
 def _will_run_workers(argv: list[str]) -> bool:
-    if "score" not in argv or any(a == "--ray" or a.startswith("--ray=") for a in argv):
+    if argv[:1] != ["score"] or any(a in ("-h", "--help") or a == "--ray" or a.startswith("--ray=") for a in argv):
         return False
     if any(a.startswith("--devices") for a in argv):
         return True
     workers = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--workers"), None)
     workers = next((a.split("=", 1)[1] for a in argv if a.startswith("--workers=")), workers)
-    if workers is not None:
-        return workers.isdigit() and int(workers) > 1
+    if workers is not None and workers.isdigit() and int(workers) > 1:
+        return True
     device = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--device"), "auto")
     return device in ("auto", "cuda") and _gpus() > 1
 

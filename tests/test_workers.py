@@ -131,8 +131,10 @@ def test_the_fork_server_starts_early_only_for_runs_with_workers(monkeypatch):
     will = worker_start._will_run_workers
     assert will(["score", "x.parquet"]) and will(["score", "x", "--devices", "0,1"]) and will(["score", "--workers=3"])
     assert not will(["score", "x", "--device", "cpu"]) and not will(["score", "x", "--device", "cuda:1"])
-    assert not will(["score", "x", "--workers", "1"]) and not will(["score", "x", "--ray"])
-    assert not will(["calibrate", "x"]) and will(["score", "x", "--device", "cpu", "--workers", "2"])
+    assert will(["score", "x", "--workers", "1"])  # one worker a GPU, two GPUs
+    assert not will(["score", "x", "--ray"]) and not will(["score", "--help"]) and not will(["calibrate", "score"])
+    assert will(["score", "x", "--device", "cpu", "--workers", "2"])
+    assert not will(["score", "x", "--device", "cpu", "--workers", "1"])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert not will(["score", "x.parquet"])
 
@@ -271,13 +273,15 @@ def test_cli_workers_write_the_single_process_table_and_refuse_workers_on_gpus(t
     sample = Path(__file__).resolve().parent.parent / "sample_data"
     src = tmp_path / "logs.parquet"
     pq.write_table(pq.read_table(sample / "conversations.parquet").slice(0, 30), src, row_group_size=7)
-    tables = []
-    for name, extra in (("one", []), ("two", ["--workers", "2"])):
-        res = CliRunner().invoke(cli, ["score", str(src), "-o", str(tmp_path / f"{name}.parquet"), "--raw",
-                                       "--no-progress", "--device", "cpu", *extra])
-        assert res.exit_code == 0, res.output
-        tables.append(pq.read_table(tmp_path / f"{name}.parquet"))
-    assert tables[0].equals(tables[1])
+    args = ["score", str(src), "--raw", "--no-progress", "--device", "cpu"]
+    res = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "one.parquet")])
+    assert res.exit_code == 0, res.output
+    # as a user runs it: the workers re-import the command line as their parent's main module (and must not start
+    # a fork server of their own while they bootstrap)
+    two = subprocess.run([sys.executable, "-m", "policyscan.cli.main", *args, "-o", str(tmp_path / "two.parquet"),
+                          "--workers", "2"], capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0 and "[2 workers: cpu, cpu]" in two.stderr, two.stderr[-3000:]
+    assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
     res = CliRunner().invoke(cli, ["score", str(src), "-o", str(tmp_path / "g.parquet"), "--device", "cuda",
                                    "--workers", "2", "--no-progress"])
     assert res.exit_code == 2 and "--workers is for the CPU" in res.output
