@@ -21,28 +21,51 @@ from policyscan.engine.rows import Chunk, PartialFileError, ReadSpec
 from policyscan.engine.units import Unit, unit_chunks
 
 TEXT, ERROR, SOURCE = "_policyscan_text", "_policyscan_error", "_policyscan_source"  # beside the user's columns
+PACKED = "_policyscan_chunk"  # read_units(packed=True): a chunk's table as an Arrow IPC stream, one row a chunk
 # Where a row comes from. failed: the row stands for a file that could not be read from row `row` on (of `total`
 # rows, when known), not for an input row: it is listed, and counted, as the single-process path lists a file.
 SOURCE_TYPE = pa.struct([("unit", pa.int64()), ("file", pa.string()), ("row", pa.int64()), ("line", pa.int64()),
                          ("failed", pa.bool_()), ("total", pa.int64())])
 
 
-def read_units(units: list[Unit], spec: ReadSpec, template: ChatTemplate | None):
+def read_units(units: list[Unit], spec: ReadSpec, template: ChatTemplate | None, packed: bool = False):
     """A Ray Dataset of the units' rows, unit by unit: `id` and the kept columns as the reader gives them, the
     conversation rendered as text (TEXT) or why the row has none (ERROR), and where it comes from (SOURCE). For
     PolicyScorer(text_column=TEXT, error_column=ERROR, keep=(..., SOURCE)). template: the run's chat template
-    (chat_template.choose_template), which renders a messages column here, in the read tasks."""
+    (chat_template.choose_template), which renders a messages column here, in the read tasks.
+
+    Files whose id or kept columns differ in type cannot share a batch: Ray Data joins blocks to make a batch of
+    map_batches' batch_size, which it requires with GPUs. packed: each chunk of rows as one row of PACKED instead
+    (unpack() gives the tables back), so that map_batches(batch_size=1) takes one chunk at a time, as
+    `score --ray` does."""
     import ray.data
 
     items = [{"unit": pickle.dumps(u)} for u in units]
-    # one unit a block and a read call: a block then holds one file's rows, whose id and kept columns have one type
     return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        _read, fn_kwargs={"spec": spec, "template": template}, batch_size=1, batch_format="pyarrow")
+        _read, fn_kwargs={"spec": spec, "template": template, "packed": packed}, batch_size=1,
+        batch_format="pyarrow")
 
 
-def _read(batch: pa.Table, spec: ReadSpec, template: ChatTemplate | None) -> Iterator[pa.Table]:
+def pack(table: pa.Table) -> pa.Table:
+    """A table as one row of PACKED (an Arrow IPC stream): any two such rows concatenate, whatever their types."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    data = sink.getvalue()
+    offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int64))
+    return pa.table({PACKED: pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, data])})
+
+
+def unpack(batch: pa.Table) -> list[pa.Table]:
+    """The tables packed in a batch's PACKED rows, in order."""
+    return [pa.ipc.open_stream(chunk[i].as_buffer()).read_all()
+            for chunk in batch.column(PACKED).chunks for i in range(len(chunk))]
+
+
+def _read(batch: pa.Table, spec: ReadSpec, template: ChatTemplate | None, packed: bool) -> Iterator[pa.Table]:
     for blob in batch.column("unit").to_pylist():
-        yield from unit_tables(pickle.loads(blob), spec, partial(_render, template))
+        for table in unit_tables(pickle.loads(blob), spec, partial(_render, template)):
+            yield pack(table) if packed else table
 
 
 def unit_tables(unit: Unit, spec: ReadSpec, render: Callable[[list], str]) -> Iterator[pa.Table]:

@@ -34,7 +34,7 @@ from policyscan.engine.rows import Chunk, ReadSpec
 from policyscan.engine.runner import EngineSettings
 from policyscan.engine.units import plan_units
 from policyscan.engine.workers_proc import Failed
-from policyscan.ray.read import ERROR, SOURCE, TEXT, read_units
+from policyscan.ray.read import ERROR, SOURCE, TEXT, pack, read_units, unpack
 from policyscan.ray.scorer import PolicyScorer
 
 RETRIES = 3  # runs of a batch after the first, each after its actor died (Ray's default: without end)
@@ -111,16 +111,24 @@ def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings
     batches = iter(())
     if units:
         # read with one character more than the limit: the scorer clips the rest and counts which texts it cut
-        ds = read_units(units, replace(spec, max_chars=spec.max_chars + 1), template)
+        ds = read_units(units, replace(spec, max_chars=spec.max_chars + 1), template, packed=True)
         with warnings.catch_warnings():  # Ray 2.60 deprecates these two arguments and names nothing in their place
             warnings.simplefilter("ignore", DeprecationWarning)
-            ds = ds.map_batches(PolicyScorer, fn_constructor_kwargs=kwargs, batch_size=None, batch_format="pyarrow",
+            ds = ds.map_batches(_ChunkScorer, fn_constructor_kwargs=kwargs, batch_size=1, batch_format="pyarrow",
                                 compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors), num_gpus=gpus,
                                 num_cpus=cpus, max_restarts=-1, max_task_retries=RETRIES)
         ds.context.execution_options.preserve_order = True  # the outputs' rows in input order
         ds.context.enable_progress_bars = progress
-        batches = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+        batches = (t for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for t in unpack(b))
     return _write(ray, batches, todo, job_of, run, spec, out, per_input), run
+
+
+class _ChunkScorer(PolicyScorer):
+    """PolicyScorer on packed chunks (read_units(packed=True)), each scored alone and its rows packed."""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        score = super().__call__
+        return pa.concat_tables([pack(score(t)) for t in unpack(batch)])
 
 
 def _write(ray, batches, todo: list[tuple[Job, list[str] | None]], job_of: list[int], run: RayRun, spec: ReadSpec,

@@ -34,8 +34,9 @@ def arm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs(sample_slice, tmp_path_factory) -> list[Path]:
-    """The sample slice as Parquet of 5 row groups (5 units: 5 batches), and 12 JSONL lines with bad ones and
-    conversations too long to keep whole (clipped)."""
+    """The sample slice as Parquet of 5 row groups (5 units: 5 batches), 12 JSONL lines with bad ones and
+    conversations too long to keep whole (clipped), and 6 rows whose ids are integers (no batch may join them with
+    the others' string ids)."""
     d = tmp_path_factory.mktemp("ray_in")
     pq.write_table(pq.read_table(sample_slice["parquet"]), d / "logs.parquet", row_group_size=8)
     lines = sample_slice["jsonl"].read_text().splitlines()[:12]
@@ -44,7 +45,10 @@ def inputs(sample_slice, tmp_path_factory) -> list[Path]:
     # clipped to its last characters, all blank: still the conversation the reader checked whole
     lines[11] = json.dumps({"id": "blank-tail", "messages": [{"role": "user", "content": "my SSN?" + " " * 70000}]})
     (d / "more.jsonl").write_text("\n".join(lines[:5] + [""] + lines[5:]) + "\n")
-    return [d / "logs.parquet", d / "more.jsonl"]
+    head = pq.read_table(sample_slice["parquet"]).slice(0, 6)
+    pq.write_table(head.set_column(head.schema.get_field_index("id"), "id", pa.array(range(6), pa.int64())),
+                   d / "ints.parquet")
+    return [d / "logs.parquet", d / "more.jsonl", d / "ints.parquet"]
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +78,8 @@ def _same_run(a: dict, b: dict) -> None:
 def test_score_on_ray_writes_the_local_outputs_bit_for_bit_and_skips_them_next_time(arm, inputs, local, tmp_path):
     out = tmp_path  # as deep as `local`: the inputs' paths relative to the outputs are the same
     res = run("score", *inputs, "-o", f"{out}/", *CPU, "--ray", ok=(3,))
-    assert "rows in 52 = scored 50 + in errors 2 (balanced)" in res.output
-    for name in ("logs.scores.parquet", "more.scores.parquet"):
+    assert "rows in 58 = scored 56 + in errors 2 (balanced)" in res.output
+    for name in ("logs.scores.parquet", "more.scores.parquet", "ints.scores.parquet"):
         assert pq.read_table(out / name).equals(pq.read_table(local / name)), name
         _same_run(_meta(out / name), _meta(local / name))
         assert _meta(out / name)["ray"]["actors"] == 1
@@ -84,7 +88,8 @@ def test_score_on_ray_writes_the_local_outputs_bit_for_bit_and_skips_them_next_t
     assert errors == (local / "more.scores.parquet.errors.jsonl").read_text()
     assert [json.loads(e)["line"] for e in errors.splitlines()] == [3, 9]  # the blank line 6 is no row
     res = run("score", *inputs, "-o", f"{out}/", *CPU, "--ray")  # nothing new: exit 0
-    assert res.output.count("up to date") == 2 and "rows in 0 =" in res.output
+    assert res.output.count("up to date") == 3 and "rows in 0 =" in res.output
+    assert pq.read_table(out / "ints.scores.parquet")["id"].type == pa.int64()
 
 
 @pytest.mark.slow
