@@ -69,6 +69,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     if text_column and messages_column:
         raise click.UsageError("give --text-column or --messages-column, not both")
     check_lengths(batch_tokens, max_length)
+    preload_arrow()  # first, so that its imports are done before the model load's thousands of GPU calls
     files = input_files(list(inputs))
     per_input = output is not None and (output.endswith(("/", "\\")) or Path(output).is_dir())
     if errors_path and per_input:
@@ -81,7 +82,6 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     jobs = plan_jobs(files, output, per_input, fmt, errors_path)
     check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
     template = resolve_chat_template(model_dir, chat_template, pols, files, spec)
-    preload_arrow()
     settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
                               chat_template=template, threads=threads, fp8_flip_limit=fp8_flip_limit)
     progress = not no_progress and _is_terminal()

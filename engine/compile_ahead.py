@@ -6,7 +6,8 @@ small-batch variants again. Here a dry run of the decoder (the prefixes' prefill
 specialization class, each CUDA-graph bucket) launches nothing: every Triton launch runs as a warm-up, and
 Triton's jit_cache_hook records each variant this process has not loaded yet and skips its compile. Variants
 that no earlier run compiled go to child processes that compile them into Triton's disk cache at once
-(engine/compile_procs.py); the real batches then load them from disk. Anything failing on the way (no child
+(engine/compile_procs.py), started before the model load when the run has not compiled before
+(start_compilers), so that their imports run beside it; the real batches then load the kernels from disk. Anything failing on the way (no child
 process, a read-only cache) only leaves those kernels to compile at launch. The dry run computes nothing that
 is kept, and a variant it missed compiles when first launched, as before: what a run computes does not change,
 only when kernels compile.
@@ -26,11 +27,13 @@ from pathlib import Path
 
 import torch
 
-from policyscan.engine.compile_procs import compile_variants
+from policyscan.engine.compile_procs import Compilers
 from policyscan.engine.graphs import GraphedForward, static_batch
 from policyscan.engine.model import Decoder
 
 
+KERNEL_MODULES = ("policyscan.kernels.triton_ops",)  # what a compiling child imports ahead: every kernel's module
+MAX_WORKERS = 16  # compiling children at most (and no more than the CPUs)
 _LOCK = threading.Lock()  # one dry run at a time: each patches Triton for the whole process
 _LOCAL = threading.local()  # .on: this thread is in a dry run (other threads' launches run as usual)
 
@@ -83,29 +86,38 @@ def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
     return eager + buckets
 
 
+def start_compilers(run_id: str) -> Compilers | None:
+    """Before the model loads: None when the run's variants all compiled before (a warm machine), else child
+    processes started now, so that their import of torch, Triton and the kernels runs beside the load."""
+    return None if _compiled_before(run_id) else Compilers(min(MAX_WORKERS, os.cpu_count() or 1), KERNEL_MODULES)
+
+
 def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, graphs: bool, run_id: str,
-                  max_workers: int = 16) -> CompileReport:
-    """The dry run, then child processes for the variants no marker covers (see the module docstring). run_id names
-    everything that decides the variants (model, precision, policies, settings, kernel sources: variants_id);
-    a run whose id compiled before, its every variant still marked, skips the dry run too."""
+                  compilers: Compilers | None = None) -> CompileReport:
+    """The dry run, then child processes (`compilers`, from start_compilers, else started here) compile the
+    variants no marker covers (see the module docstring); the children are closed. run_id names everything that
+    decides the variants (model, precision, policies, settings, kernel sources: variants_id); a run whose id
+    compiled before, its every variant still marked, skips the dry run too."""
     t0 = time.perf_counter()
-    marks = _marker_dir()
-    manifest = marks / f"run-{run_id}"
     try:
-        known = manifest.read_text().split()
-        if known and all((marks / k).exists() for k in known):
+        known = _compiled_before(run_id)
+        if known is not None:
             return CompileReport(len(known), 0, 0, 0, time.perf_counter() - t0)
-    except OSError:
-        pass
-    try:
-        variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs))
-    except Exception:  # noqa: BLE001  a Triton whose hooks differ: the kernels compile as launched, as before
-        variants = None
-    if variants is None:  # or its hook gives no serialized specialization
-        return CompileReport(0, 0, 0, 0, time.perf_counter() - t0)
-    todo = [v for v in variants if not (marks / v.key).exists()]
-    workers = min(len(todo), max_workers, os.cpu_count() or 1)
-    errors = compile_variants([(v.module, v.name, v.data) for v in todo], workers) if todo else []
+        try:
+            variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs))
+        except Exception:  # noqa: BLE001  a Triton whose hooks differ: the kernels compile as launched, as before
+            variants = None
+        if variants is None:  # or its hook gives no serialized specialization
+            return CompileReport(0, 0, 0, 0, time.perf_counter() - t0)
+        marks = _marker_dir()
+        todo = [v for v in variants if not (marks / v.key).exists()]
+        if todo and compilers is None:
+            compilers = Compilers(min(len(todo), MAX_WORKERS, os.cpu_count() or 1), KERNEL_MODULES)
+        errors = compilers.compile([(v.module, v.name, v.data) for v in todo]) if todo else []
+        workers = min(len(todo), len(compilers.children)) if todo else 0
+    finally:
+        if compilers is not None:
+            compilers.close()
     done = [v for v, err in zip(todo, errors) if err is None]
     try:
         marks.mkdir(parents=True, exist_ok=True)
@@ -114,7 +126,7 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
         if len(done) == len(todo):
             tmp = marks / f"run-{run_id}.{os.getpid()}.tmp"
             tmp.write_text("\n".join(v.key for v in variants))
-            os.replace(tmp, manifest)
+            os.replace(tmp, marks / f"run-{run_id}")
     except OSError:  # a read-only or foreign cache folder: the next run dry-runs again, nothing worse
         pass
     return CompileReport(len(variants), len(done), len(todo) - len(done), workers, time.perf_counter() - t0)
@@ -132,6 +144,16 @@ def variants_id(*parts: object) -> str:
     for f in sorted([*(root / "engine").glob("*.py"), *(root / "kernels").glob("*.py")]):
         h.update(f.read_bytes())
     return h.hexdigest()[:32]
+
+
+def _compiled_before(run_id: str) -> list[str] | None:
+    """The variant keys of the run's manifest when every one is still marked, else None."""
+    marks = _marker_dir()
+    try:
+        known = (marks / f"run-{run_id}").read_text().split()
+    except OSError:
+        return None
+    return known if known and all((marks / k).exists() for k in known) else None
 
 
 def _marker_dir() -> Path:

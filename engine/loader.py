@@ -13,6 +13,7 @@ from policyscan.engine.model import Decoder, DecoderLayer
 from policyscan.engine.policy import Policy, check_policy
 from policyscan.engine.precision import Precision
 from policyscan.engine.quant import dequantize_weight, quantize_weight
+from policyscan.engine.read_ahead import ReadAhead
 from policyscan.kernels.reference import interleave_halves
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -21,18 +22,20 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("
 
 def load_decoder(ckpt: Checkpoint, ops: ModuleType, precision: Precision,
                  device: torch.device | str = "cpu") -> Decoder:
-    """Read each tensor once, straight into its final dtype and device (no second full copy of the model).
+    """Read each tensor once, streamed to the device (engine/read_ahead.py) and turned into its final dtype there
+(no second full copy of the model).
 
     precision.fp8_weights: base weights go through e4m3 with per-channel scales (kept from an FP8 checkpoint, else
     quantized); precision.w8a8 keeps them e4m3 in Fp8LoraLinear (the GPU kernels), otherwise they are dequantized
     to precision.dtype (the CPU path)."""
-    cfg = ckpt.config
     if ckpt.fp8 and not precision.fp8_weights:
         raise ValueError(f"{ckpt.model_dir} is an FP8 checkpoint: its precision needs fp8_weights (got {precision})")
-    dtype = precision.dtype
+    with ReadAhead(ckpt, torch.device(device)) as reader:
+        return _build(ckpt, ops, precision, reader.get)
 
-    def get(name: str) -> torch.Tensor:
-        return ckpt.get(name).to(device)
+
+def _build(ckpt: Checkpoint, ops: ModuleType, precision: Precision, get) -> Decoder:
+    cfg, dtype = ckpt.config, precision.dtype
 
     def weight(base: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = get(base + ".weight")

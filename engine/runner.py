@@ -12,7 +12,7 @@ import torch
 
 from policyscan.engine.batch import pack, plan_batches
 from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.compile_ahead import CompileReport, compile_ahead, variants_id
+from policyscan.engine.compile_ahead import CompileReport, compile_ahead, start_compilers, variants_id
 from policyscan.engine.files import in_background
 from policyscan.engine.config import ModelConfig
 from policyscan.engine.errors import PolicyscanError
@@ -103,14 +103,23 @@ class Engine:
         self.encoder = TextEncoder(model_dir, chat_template=settings.chat_template, policies=policies)
         label_ids = [self.encoder.verdict_ids(p) for p in policies]
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
-        self.decoder = load_decoder(self.checkpoint, _ops(gpu), self.precision, self.device)
-        attach_policies(self.decoder, policies, label_ids)
         heads = [b.head for b in self.builders] if settings.prefix_cache else []
         self.compile: CompileReport | None = None
-        if gpu and settings.compile_ahead:
+        ahead = gpu and settings.compile_ahead
+        if ahead:
             run_id = variants_id(self.checkpoint.config, self.precision.record(), heads, settings.batch_tokens,
                                  settings.cuda_graphs, [p.adapter_sha256 for p in policies], str(self.device))
-            self.compile = compile_ahead(self.decoder, heads, settings.batch_tokens, settings.cuda_graphs, run_id)
+        compilers = start_compilers(run_id) if ahead else None
+        try:
+            self.decoder = load_decoder(self.checkpoint, _ops(gpu), self.precision, self.device)
+            attach_policies(self.decoder, policies, label_ids)
+        except BaseException:
+            if compilers is not None:
+                compilers.close()
+            raise
+        if ahead:
+            self.compile = compile_ahead(self.decoder, heads, settings.batch_tokens, settings.cuda_graphs, run_id,
+                                         compilers)
         self._prefix = None
         if settings.prefix_cache:
             with torch.inference_mode():

@@ -1,7 +1,9 @@
 """A stand-in for a Triton kernel module in tests/test_compile_procs.py: `kernel.preload(data)` leaves a file named
-data in $FAKE_OUT holding the pid that wrote it, or fails for data == "boom"."""
+data in $FAKE_OUT holding the pid that wrote it, or fails for data == "boom"; importing it leaves imported-<pid>."""
 import os
 from pathlib import Path
+
+Path(os.environ["FAKE_OUT"], f"imported-{os.getpid()}").touch()
 
 
 class _Kernel:

@@ -1,0 +1,100 @@
+"""The checkpoint stream (engine/read_ahead.py): every tensor bitwise what safetensors reads, whatever the dtype,
+size or order asked in, across shards and staging-slot reuse; names outside the stream read as before; a file cut
+short after it was opened is an error naming it; closing midway leaves no thread behind."""
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from policyscan.engine import read_ahead
+from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.errors import CheckpointError
+from policyscan.engine.read_ahead import ReadAhead, stream_order
+from hf_fixtures import make_model
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+@pytest.fixture(params=[None, "60KB"], ids=["one-file", "sharded"])
+def ckpt(request, tmp_path) -> Checkpoint:
+    make_model(tmp_path, "llama", shard=request.param)
+    return Checkpoint.open(tmp_path)
+
+
+def test_every_tensor_in_any_order_is_what_safetensors_reads(ckpt, monkeypatch):
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    monkeypatch.setattr(read_ahead, "SLOT_BYTES", 4096)  # many chunks a tensor, each slot reused many times
+    names = list(ckpt.files)
+    random.Random(seed).shuffle(names)
+    with ReadAhead(ckpt, torch.device("cpu")) as reader:
+        assert len(reader.chunks) > 4 * read_ahead.THREADS
+        for name in names:
+            got, want = reader.get(name), ckpt.get(name)
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(_bits(got), _bits(want)), name
+
+
+def test_dtypes_sizes_and_names_outside_the_stream(tmp_path, monkeypatch):
+    monkeypatch.setattr(read_ahead, "SLOT_BYTES", 64)
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.layers.0.a": torch.randn(7, 13, generator=g).to(torch.bfloat16),
+        "model.layers.0.b": torch.randn(5, generator=g).to(torch.float8_e4m3fn),
+        "model.layers.1.c": torch.randint(-9, 9, (3, 3), generator=g),
+        "model.layers.1.d": torch.zeros(0, 4),
+        "model.layers.10.e": torch.tensor(2.5, dtype=torch.float16),
+        "model.layers.2.f": torch.rand(33, generator=g) > 0.5,
+        "model.norm.weight": torch.randn(11, generator=g),
+        "model.embed_tokens.weight": torch.randn(17, 3, generator=g),
+        "lm_head.weight": torch.randn(17, 3, generator=g),
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    ckpt = Checkpoint(tmp_path, None, {n: tmp_path / "model.safetensors" for n in tensors}, False)
+    with ReadAhead(ckpt, torch.device("cpu")) as reader:
+        assert [s.name for s in reader.order] == stream_order(list(tensors))
+        assert [s.name for s in reader.order][:6] == ["model.layers.0.a", "model.layers.0.b", "model.layers.1.c",
+                                                      "model.layers.1.d", "model.layers.2.f", "model.layers.10.e"]
+        assert "lm_head.weight" not in reader.index  # the loader reads two rows of it, never the whole
+        for name in ["lm_head.weight", *reversed([n for n in tensors if n != "lm_head.weight"])]:
+            assert torch.equal(_bits(reader.get(name)), _bits(tensors[name])), name
+
+
+def test_a_file_cut_short_after_opening_is_an_error_naming_it(tmp_path):
+    make_model(tmp_path, "llama")
+    ckpt = Checkpoint.open(tmp_path)
+    path = tmp_path / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+    with ReadAhead(ckpt, torch.device("cpu")) as reader:
+        with pytest.raises(CheckpointError, match="model.safetensors: ended .* early inside tensor"):
+            for span in list(reader.order):
+                reader.get(span.name)
+
+
+def test_closing_midway_ends_every_thread(ckpt, monkeypatch):
+    monkeypatch.setattr(read_ahead, "SLOT_BYTES", 1024)
+    before = threading.active_count()
+    reader = ReadAhead(ckpt, torch.device("cpu"))
+    reader.get(reader.order[0].name)
+    reader.close()
+    assert threading.active_count() == before and not reader.ready
+
+
+def test_a_header_whose_sizes_disagree_is_refused(tmp_path):
+    save_file({"model.layers.0.w": torch.zeros(4, 4)}, tmp_path / "model.safetensors")
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["model.layers.0.w"]["shape"] = [4, 5]
+    body = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    (tmp_path / "model.safetensors").write_bytes(raw[:8] + body + raw[8 + n:])
+    with pytest.raises(CheckpointError, match="holds 64 bytes, not its shape's"):
+        read_ahead.spans(tmp_path / "model.safetensors")
