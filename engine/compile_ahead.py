@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from policyscan.engine.compile_procs import Compilers
+from policyscan.engine.files import in_background
 from policyscan.engine.graphs import GraphedForward, static_batch
 from policyscan.engine.model import Decoder
 
@@ -92,44 +93,69 @@ def start_compilers(run_id: str) -> Compilers | None:
     return None if _compiled_before(run_id) else Compilers(min(MAX_WORKERS, os.cpu_count() or 1), KERNEL_MODULES)
 
 
-def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, graphs: bool, run_id: str,
-                  compilers: Compilers | None = None) -> CompileReport:
-    """The dry run, then child processes (`compilers`, from start_compilers, else started here) compile the
-    variants no marker covers (see the module docstring); the children are closed. run_id names everything that
-    decides the variants (model, precision, policies, settings, kernel sources: variants_id); a run whose id
-    compiled before, its every variant still marked, skips the dry run too."""
-    t0 = time.perf_counter()
-    try:
-        known = _compiled_before(run_id)
-        if known is not None:
-            return CompileReport(len(known), 0, 0, 0, time.perf_counter() - t0)
+class CompileJob:
+    """compile_ahead's compiling, under way in the background; wait() gives the report."""
+
+    def __init__(self, run_id: str, variants: list[Variant] | None, todo: list[Variant],
+                 compilers: Compilers | None, started: float, cached: int = 0):
+        """variants None: nothing to compile, `cached` variants compiled before (or none known: no dry run)."""
+        self.run_id, self.variants, self.todo, self.compilers, self.cached = run_id, variants, todo, compilers, cached
+        self.dry_run = time.perf_counter() - started  # spent before the job went to the background
+        self.workers = min(len(todo), len(compilers.children)) if compilers and todo else 0
+        self.errors = in_background(lambda: compilers.compile([(v.module, v.name, v.data) for v in todo])
+                                    if todo else [], "policyscan-compile")
+
+    def wait(self) -> CompileReport:
+        """The compiling's end (the children closed), the markers and the manifest written; the report's seconds:
+        the dry run and this wait, the part not hidden behind the load."""
+        t0 = time.perf_counter()
         try:
-            variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs))
-        except Exception:  # noqa: BLE001  a Triton whose hooks differ: the kernels compile as launched, as before
-            variants = None
-        if variants is None:  # or its hook gives no serialized specialization
-            return CompileReport(0, 0, 0, 0, time.perf_counter() - t0)
-        marks = _marker_dir()
-        todo = [v for v in variants if not (marks / v.key).exists()]
-        if todo and compilers is None:
-            compilers = Compilers(min(len(todo), MAX_WORKERS, os.cpu_count() or 1), KERNEL_MODULES)
-        errors = compilers.compile([(v.module, v.name, v.data) for v in todo]) if todo else []
-        workers = min(len(todo), len(compilers.children)) if todo else 0
-    finally:
-        if compilers is not None:
-            compilers.close()
-    done = [v for v, err in zip(todo, errors) if err is None]
+            errors = self.errors.result()
+        finally:
+            if self.compilers is not None:
+                self.compilers.close()
+        seconds = self.dry_run + time.perf_counter() - t0
+        if self.variants is None:
+            return CompileReport(self.cached, 0, 0, 0, seconds)
+        done = [v for v, err in zip(self.todo, errors) if err is None]
+        try:
+            marks = _marker_dir()
+            marks.mkdir(parents=True, exist_ok=True)
+            for v in done:
+                (marks / v.key).touch()
+            if len(done) == len(self.todo):
+                tmp = marks / f"run-{self.run_id}.{os.getpid()}.tmp"
+                tmp.write_text("\n".join(v.key for v in self.variants))
+                os.replace(tmp, marks / f"run-{self.run_id}")
+        except OSError:  # a read-only or foreign cache folder: the next run dry-runs again, nothing worse
+            pass
+        return CompileReport(len(self.variants), len(done), len(self.todo) - len(done), self.workers, seconds)
+
+    def cancel(self) -> None:
+        """Stop compiling (the run failed before it needed the kernels)."""
+        if self.compilers is not None:
+            self.compilers.kill()
+
+
+def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, graphs: bool, run_id: str,
+                  compilers: Compilers | None = None) -> CompileJob:
+    """The dry run on `decoder` (its weights' shapes and dtypes are what count: loader.shaped_decoder's will do),
+    then child processes (`compilers`, from start_compilers, else started here) compile the variants no marker
+    covers in the background (see the module docstring): a CompileJob. run_id names everything that decides the
+    variants (model, precision, policies, settings, kernel sources: variants_id); a run whose id compiled before,
+    its every variant still marked, skips the dry run too."""
+    t0 = time.perf_counter()
+    known = _compiled_before(run_id)
+    if known is not None:
+        return CompileJob(run_id, None, [], compilers, t0, cached=len(known))
     try:
-        marks.mkdir(parents=True, exist_ok=True)
-        for v in done:
-            (marks / v.key).touch()
-        if len(done) == len(todo):
-            tmp = marks / f"run-{run_id}.{os.getpid()}.tmp"
-            tmp.write_text("\n".join(v.key for v in variants))
-            os.replace(tmp, marks / f"run-{run_id}")
-    except OSError:  # a read-only or foreign cache folder: the next run dry-runs again, nothing worse
-        pass
-    return CompileReport(len(variants), len(done), len(todo) - len(done), workers, time.perf_counter() - t0)
+        variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs))
+    except Exception:  # noqa: BLE001  a Triton whose hooks differ: the kernels compile as launched, as before
+        variants = None
+    todo = [] if variants is None else [v for v in variants if not (_marker_dir() / v.key).exists()]
+    if todo and compilers is None:
+        compilers = Compilers(min(len(todo), MAX_WORKERS, os.cpu_count() or 1), KERNEL_MODULES)
+    return CompileJob(run_id, variants, todo, compilers, t0)
 
 
 def variants_id(*parts: object) -> str:

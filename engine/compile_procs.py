@@ -77,6 +77,12 @@ class Compilers:
             child.wait()
         self.children = []
 
+    def kill(self) -> None:
+        """End the children now, their variants unfinished (their feeding threads see them die)."""
+        for child in self.children:
+            child.kill()
+        self.close()
+
     def __enter__(self) -> "Compilers":
         return self
 

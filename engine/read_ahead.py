@@ -57,6 +57,14 @@ def spans(path: Path) -> dict[str, Span]:
     return out
 
 
+def checkpoint_spans(ckpt: Checkpoint) -> dict[str, Span]:
+    """Where each tensor of the checkpoint lies, by name (the file the index names for it)."""
+    found: dict[str, Span] = {}
+    for path in sorted(set(ckpt.files.values())):
+        found.update({k: v for k, v in spans(path).items() if ckpt.files.get(k) == path})
+    return found
+
+
 def stream_order(names: list[str]) -> list[str]:
     """The loader's order: each layer's tensors (by layer number), then the final norm and the embeddings."""
     layered = sorted((int(m.group(1)), n) for n in names if (m := _LAYER.match(n)))
@@ -69,9 +77,7 @@ class ReadAhead:
 
     def __init__(self, ckpt: Checkpoint, device: torch.device):
         self.ckpt, self.device = ckpt, torch.device(device)
-        found: dict[str, Span] = {}
-        for path in sorted(set(ckpt.files.values())):
-            found.update({k: v for k, v in spans(path).items() if ckpt.files.get(k) == path})
+        found = checkpoint_spans(ckpt)
         self.order = [found[n] for n in stream_order(list(found))]
         self.chunks = [(i, lo, min(SLOT_BYTES, s.nbytes - lo)) for i, s in enumerate(self.order)
                        for lo in range(0, max(s.nbytes, 1), SLOT_BYTES)]

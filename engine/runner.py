@@ -12,12 +12,13 @@ import torch
 
 from policyscan.engine.batch import pack, plan_batches
 from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.compile_ahead import CompileReport, compile_ahead, start_compilers, variants_id
+from policyscan.engine.compile_ahead import CompileJob, CompileReport, compile_ahead, start_compilers, variants_id
+from policyscan.engine.compile_procs import Compilers
 from policyscan.engine.files import in_background
 from policyscan.engine.config import ModelConfig
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.graphs import GraphedForward
-from policyscan.engine.loader import attach_policies, load_decoder
+from policyscan.engine.loader import attach_policies, load_decoder, shaped_decoder
 from policyscan.engine.policy import Policy
 from policyscan.engine.precision import PRECISIONS, Precision, decide_precision
 from policyscan.engine.prompts import PromptBuilder, TextEncoder
@@ -105,21 +106,24 @@ class Engine:
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
         heads = [b.head for b in self.builders] if settings.prefix_cache else []
         self.compile: CompileReport | None = None
-        ahead = gpu and settings.compile_ahead
+        ahead, job = gpu and settings.compile_ahead, None
         if ahead:
             run_id = variants_id(self.checkpoint.config, self.precision.record(), heads, settings.batch_tokens,
                                  settings.cuda_graphs, [p.adapter_sha256 for p in policies], str(self.device))
-        compilers = start_compilers(run_id) if ahead else None
+            compilers = start_compilers(run_id)
+            if compilers is not None:  # not compiled here before: the kernels compile while the weights load
+                job = _compile_on_shapes(self.checkpoint, self.precision, self.device, policies, label_ids, heads,
+                                         settings, run_id, compilers)
         try:
             self.decoder = load_decoder(self.checkpoint, _ops(gpu), self.precision, self.device)
             attach_policies(self.decoder, policies, label_ids)
         except BaseException:
-            if compilers is not None:
-                compilers.close()
+            if job is not None:
+                job.cancel()
             raise
         if ahead:
-            self.compile = compile_ahead(self.decoder, heads, settings.batch_tokens, settings.cuda_graphs, run_id,
-                                         compilers)
+            self.compile = (job or compile_ahead(self.decoder, heads, settings.batch_tokens, settings.cuda_graphs,
+                                                 run_id)).wait()
         self._prefix = None
         if settings.prefix_cache:
             with torch.inference_mode():
@@ -210,6 +214,21 @@ def _check_offsets(cfg: ModelConfig, batch_tokens: int) -> None:
         raise PolicyscanError(f"--batch-tokens {batch_tokens} is too large for this model: a batch's widest "
                               f"activation ({widest} columns) would pass 2^31 elements, which the GPU kernels "
                               f"cannot address; use --batch-tokens {(2**31 - 1) // widest} or less")
+
+
+def _compile_on_shapes(ckpt: Checkpoint, precision: Precision, device: torch.device, policies: list[Policy],
+                       label_ids: list[tuple[int, int]], heads: list[list[int]], settings: EngineSettings,
+                       run_id: str, compilers: Compilers) -> CompileJob:
+    """compile_ahead's dry run on a decoder of the model's shapes (weights unread), its variants compiling in the
+    background: the fresh W1 run's compile went on after its load (12.6 s, the children importing beside the
+    load) where it can run beside it."""
+    try:
+        shaped = shaped_decoder(ckpt, _ops(True), precision, device)
+        attach_policies(shaped, policies, label_ids)
+        return compile_ahead(shaped, heads, settings.batch_tokens, settings.cuda_graphs, run_id, compilers)
+    except BaseException:
+        compilers.kill()
+        raise
 
 
 def _ops(gpu: bool):

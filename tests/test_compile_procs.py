@@ -73,3 +73,12 @@ def test_a_daemonic_worker_may_compile_ahead(monkeypatch, tmp_path):
     assert parent.recv() == [None, None]
     proc.join()
     assert _compiled(tmp_path) == ["d0", "d1"]
+
+
+def test_kill_ends_the_children_at_once(monkeypatch, tmp_path):
+    _env(monkeypatch, tmp_path)
+    compilers = Compilers(3, ("fake_kernels",))
+    children = list(compilers.children)
+    compilers.kill()  # a run that failed while they imported
+    assert compilers.children == [] and all(c.returncode is not None for c in children)
+    assert compilers.compile([("fake_kernels", "kernel", "late")]) == ["not compiled: no child process took it"]

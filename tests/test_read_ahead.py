@@ -98,3 +98,36 @@ def test_a_header_whose_sizes_disagree_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(raw[:8] + body + raw[8 + n:])
     with pytest.raises(CheckpointError, match="holds 64 bytes, not its shape's"):
         read_ahead.spans(tmp_path / "model.safetensors")
+
+
+def _tensors(obj, path: str = "decoder", seen=None) -> dict[str, torch.Tensor]:
+    """Every tensor reachable through the decoder's attributes, lists and dataclasses, by path."""
+    seen = seen if seen is not None else set()
+    if isinstance(obj, torch.Tensor):
+        return {path: obj}
+    if id(obj) in seen or not (hasattr(obj, "__dict__") or isinstance(obj, (list, tuple))):
+        return {}
+    seen.add(id(obj))
+    items = enumerate(obj) if isinstance(obj, (list, tuple)) else vars(obj).items()
+    out = {}
+    for k, v in items:
+        out.update(_tensors(v, f"{path}.{k}", seen))
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_the_shaped_decoder_has_the_loaded_ones_shapes_dtypes_and_strides(tmp_path, precision):
+    """compile-ahead's dry run runs on shaped_decoder: its kernels' variants are those of the real load's."""
+    from policyscan.engine.loader import load_decoder, shaped_decoder
+    from policyscan.engine.precision import decide_precision
+    from policyscan.kernels import reference
+
+    make_model(tmp_path, "qwen3", shard="60KB")
+    ck = Checkpoint.open(tmp_path)
+    prec, _ = decide_precision(precision, False, False, [], 0.01)
+    real = _tensors(load_decoder(ck, reference, prec, "cpu"))
+    shaped = _tensors(shaped_decoder(ck, reference, prec, torch.device("cpu")))
+    assert real.keys() == shaped.keys() and len(real) > 20
+    for k in real:
+        assert (real[k].shape, real[k].dtype, real[k].stride()) == (shaped[k].shape, shaped[k].dtype,
+                                                                    shaped[k].stride()), k
