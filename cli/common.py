@@ -45,7 +45,7 @@ def preload_arrow() -> None:
     writer's first `take` imports pyarrow.compute (0.07 s on the 2-core CPU machine). Not beside the model load:
     an import holds the GIL, which each of the load's GPU calls must take back: a profile of W1's load showed 3 s in
     them while pandas compiled (on a machine without bytecode caches)."""
-    threading.Thread(target=_first_arrays, name="policyscan-preload-arrow").start()
+    threading.Thread(target=_first_arrays, name="policyscan-preload-arrow", daemon=True).start()
 
 
 def _first_arrays() -> None:

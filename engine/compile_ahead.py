@@ -111,9 +111,13 @@ class CompileJob:
         t0 = time.perf_counter()
         try:
             errors = self.errors.result()
+        except Exception as e:  # noqa: BLE001  (no thread to feed them, say): they compile when launched
+            errors = [f"not compiled: {e}"] * len(self.todo)
         finally:
-            if self.compilers is not None:
+            if self.compilers is not None and self.todo:
                 self.compilers.close()
+            elif self.compilers is not None:  # children with nothing to do may still be importing: not waited for
+                self.compilers.kill()
         seconds = self.dry_run + time.perf_counter() - t0
         if self.variants is None:
             return CompileReport(self.cached, 0, 0, 0, seconds)

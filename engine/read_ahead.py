@@ -12,6 +12,7 @@ import json
 import os
 import re
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -83,14 +84,16 @@ class ReadAhead:
                        for lo in range(0, max(s.nbytes, 1), SLOT_BYTES)]
         gpu = self.device.type == "cuda"
         slot = min(SLOT_BYTES, max((s.nbytes for s in self.order), default=0))
-        self.slots = [torch.empty(slot, dtype=torch.uint8, pin_memory=gpu) for _ in range(THREADS)]
+        with torch.cuda.device(self.device) if gpu else nullcontext():  # cuda:N's context, not device 0's
+            self.slots = [torch.empty(slot, dtype=torch.uint8, pin_memory=gpu) for _ in range(THREADS)]
         self.filled = [threading.Event() for _ in self.chunks]
         self.issued = [threading.Event() for _ in self.chunks]
         self.copied: list[torch.cuda.Event | None] = [None] * len(self.chunks)
         self.error: BaseException | None = None
         self.next = 0  # the next chunk to copy to the device
         self.partial: dict[str, torch.Tensor] = {}  # tensors whose first chunks are on their way
-        self.ready: dict[str, torch.Tensor] = {}
+        self.ready: dict[str, torch.Tensor] = {}  # complete, not asked for yet (what a layer holds besides)
+        self.taken: set[str] = set()
         self.index = {s.name: i for i, s in enumerate(self.order)}
         self.stop = False
         self.threads = [threading.Thread(target=self._read, args=(t,), name=f"policyscan-read-{t}", daemon=True)
@@ -114,10 +117,13 @@ class ReadAhead:
                 fd = fds.get(span.path)
                 if fd is None:
                     fd = fds[span.path] = os.open(span.path, os.O_RDONLY)
-                got = os.preadv(fd, [view[:n]], span.offset + lo)
-                if got != n:
-                    raise CheckpointError(f"{span.path}: ended {n - got} bytes early inside tensor {span.name!r}; "
-                                          "the file is truncated")
+                got = 0
+                while got < n:  # a read may return less than asked (network file systems): only 0 is the end
+                    part = os.preadv(fd, [view[got:n]], span.offset + lo + got)
+                    if part == 0:
+                        raise CheckpointError(f"{span.path}: ended {n - got} bytes early inside tensor "
+                                              f"{span.name!r}; the file is truncated")
+                    got += part
                 self.filled[j].set()
         except BaseException as e:  # noqa: BLE001  handed to the loader's thread, which raises it
             self.error = e
@@ -130,10 +136,11 @@ class ReadAhead:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.index:
             return self.ckpt.get(name).to(self.device)
+        if name in self.taken:
+            raise CheckpointError(f"{self.ckpt.model_dir}: tensor {name!r} was read once already")
         while name not in self.ready:
-            if self.next >= len(self.chunks):
-                raise CheckpointError(f"{self.ckpt.model_dir}: tensor {name!r} was read once already")
             self._copy_next()
+        self.taken.add(name)
         return self.ready.pop(name)
 
     def _copy_next(self) -> None:
@@ -147,9 +154,9 @@ class ReadAhead:
             self.partial[span.name] = torch.empty(span.shape, dtype=span.dtype, device=self.device)
         dst = self.partial[span.name].view(-1).view(torch.uint8)
         dst[lo:lo + n].copy_(self.slots[j % THREADS][:n], non_blocking=True)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # on the stream the copy went to: the target device's, not device 0's
             self.copied[j] = torch.cuda.Event()
-            self.copied[j].record()
+            self.copied[j].record(torch.cuda.current_stream(self.device))
         self.issued[j].set()
         self.next += 1
         if lo + n >= span.nbytes:  # its last chunk: copies on this stream come before any use of it

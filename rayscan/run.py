@@ -128,7 +128,8 @@ class _ChunkScorer(PolicyScorer):
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         score = super().__call__
-        return pa.concat_tables([pack(score(t)) for t in unpack(batch)])
+        tables = [pack(score(t)) for t in unpack(batch)]
+        return pa.concat_tables(tables) if tables else batch
 
 
 def _write(ray, batches, todo: list[tuple[Job, list[str] | None]], job_of: list[int], run: RayRun, spec: ReadSpec,

@@ -11,6 +11,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("POLICYSCAN_CACHE_DIR", tempfile.mkdtemp(prefix="policyscan_test_cache_"))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole CPU suite (`python -m pytest -q tests`) on two processes when pytest-xdist is installed (the test
+    extra): on 2 cores beside a 2-thread job it took 329 s in one process; its tests spend most of their time in
+    single-threaded Python and in child processes. A file's tests stay on one process (their module fixtures:
+    the Ray cluster, the sample's CLI runs). Not for chosen tests, -n, --dist, --pdb or --trace given, on a GPU
+    machine (its tests would share the GPU), or with one CPU."""
+    opt = config.option
+    if (not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER")
+            or getattr(opt, "numprocesses", None) is not None or getattr(opt, "dist", "no") != "no"
+            or getattr(opt, "usepdb", False) or getattr(opt, "trace", False) or _has_cuda()
+            or len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else [os.cpu_count()]) < 2
+            or [a for a in config.args if Path(a).resolve() != Path(__file__).resolve().parent]):
+        return
+    config.option.numprocesses, config.option.dist = 2, "loadfile"
+
+
 def _has_cuda() -> bool:
     import torch
 

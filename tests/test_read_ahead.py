@@ -41,6 +41,20 @@ def test_every_tensor_in_any_order_is_what_safetensors_reads(ckpt, monkeypatch):
             assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(_bits(got), _bits(want)), name
 
 
+def test_short_reads_are_read_on_and_a_name_asked_twice_is_refused_at_once(ckpt, monkeypatch):
+    real = read_ahead.os.preadv
+    monkeypatch.setattr(read_ahead.os, "preadv", lambda fd, bufs, off: real(fd, [bufs[0][:100]], off))
+    with ReadAhead(ckpt, torch.device("cpu")) as reader:
+        first = reader.order[0].name
+        for span in reader.order:
+            assert torch.equal(_bits(reader.get(span.name)), _bits(ckpt.get(span.name))), span.name
+    with ReadAhead(ckpt, torch.device("cpu")) as reader:
+        reader.get(first)
+        with pytest.raises(CheckpointError, match="was read once already"):
+            reader.get(first)
+        assert reader.next < len(reader.chunks)  # the rest of the stream was not read to find out
+
+
 def test_dtypes_sizes_and_names_outside_the_stream(tmp_path, monkeypatch):
     monkeypatch.setattr(read_ahead, "SLOT_BYTES", 64)
     g = torch.Generator().manual_seed(0)

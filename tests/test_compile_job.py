@@ -1,0 +1,70 @@
+"""compile_ahead's bookkeeping on a CPU (engine/compile_ahead.py), its dry run stood in for by fake variants of
+tests/fake_kernels.py: the variants compile in the background while the caller goes on, markers and a manifest
+record them, a second run reports them cached without a dry run and closes the children it was given, a variant
+that fails leaves no manifest, and cancel() ends the children."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from policyscan.engine import compile_ahead as ca
+from policyscan.engine.compile_procs import Compilers
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    out, marks = tmp_path / "out", tmp_path / "marks"
+    out.mkdir()
+    monkeypatch.setenv("FAKE_OUT", str(out))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(ca, "_marker_dir", lambda: marks)
+    monkeypatch.setattr(ca, "KERNEL_MODULES", ("fake_kernels",))
+    runs = []
+
+    def dry_run(decoder, heads, shapes):
+        runs.append(len(shapes))
+        return [ca.Variant("fake_kernels", "kernel", data, "src") for data in decoder]
+    monkeypatch.setattr(ca, "_dry_run", dry_run)
+    return out, marks, runs
+
+
+def _job(variants: list[str], run_id: str, compilers: Compilers | None = None) -> ca.CompileJob:
+    return ca.compile_ahead(variants, [], 8192, False, run_id, compilers)  # the fake dry run's "decoder": the data
+
+
+def test_variants_compile_in_the_background_then_a_second_run_finds_them_cached(fake):
+    out, marks, runs = fake
+    job = _job([f"v{i}" for i in range(5)], "run-a", Compilers(2, ("fake_kernels",)))
+    assert isinstance(job, ca.CompileJob)  # returned before the compiling is waited for
+    report = job.wait()
+    assert (report.variants, report.compiled, report.failed, report.workers) == (5, 5, 0, 2)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("v")) == [f"v{i}" for i in range(5)]
+    assert (marks / "run-run-a").read_text().split() == [ca.Variant("fake_kernels", "kernel", f"v{i}", "src").key
+                                                         for i in range(5)]
+    given = Compilers(2, ("fake_kernels",))
+    children = list(given.children)
+    again = _job(["never", "asked"], "run-a", given).wait()
+    assert (again.variants, again.compiled, again.failed) == (5, 0, 0) and runs == [runs[0]]  # no dry run
+    assert given.children == [] and all(c.returncode is not None for c in children)
+
+
+def test_a_variant_that_fails_is_counted_and_leaves_no_manifest(fake):
+    out, marks, _ = fake
+    report = _job(["ok1", "boom", "ok2"], "run-b").wait()  # no children given: started for the variants
+    assert (report.variants, report.compiled, report.failed) == (3, 2, 1)
+    assert not (marks / "run-run-b").exists()
+    rerun = _job(["ok1", "boom", "ok2"], "run-b").wait()  # only the failed one is tried again
+    assert (rerun.compiled, rerun.failed, rerun.workers) == (0, 1, 1)
+
+
+def test_cancel_ends_the_children_while_they_compile(fake):
+    job = _job([f"c{i}" for i in range(50)], "run-c", Compilers(2, ("fake_kernels",)))
+    t0 = time.monotonic()
+    job.cancel()
+    report = job.wait()
+    assert time.monotonic() - t0 < 30 and report.compiled < 50 and report.failed == 50 - report.compiled
