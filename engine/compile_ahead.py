@@ -4,10 +4,11 @@ Triton compiles a kernel variant the first time a process launches it, one after
 batches: on a fresh machine W1 spent 28 s more than a warm run compiling, and an 8-row file compiled the
 small-batch variants again. Here a dry run of the decoder (the prefixes' prefill, one eager batch per
 specialization class, each CUDA-graph bucket) launches nothing: every Triton launch runs as a warm-up, and
-Triton's jit_cache_hook records each variant this process has not loaded yet and skips its compile. Variants
-that no earlier run compiled go to child processes that compile them into Triton's disk cache at once
-(engine/compile_procs.py), started before the model load when the run has not compiled before
-(start_compilers), so that their imports run beside it; the real batches then load the kernels from disk. Anything failing on the way (no child
+Triton's jit_cache_hook records each variant this process has not loaded yet and skips its compile. A run not
+compiled before starts child processes first (start_compilers), dry-runs a decoder of the model's shapes with its
+weights unread (loader.shaped_decoder: shapes, dtypes and strides decide the variants, values do not), and the
+children compile the variants into Triton's disk cache (engine/compile_procs.py) while the weights load
+(CompileJob); the real batches then load the kernels from disk. Anything failing on the way (no child
 process, a read-only cache) only leaves those kernels to compile at launch. The dry run computes nothing that
 is kept, and a variant it missed compiles when first launched, as before: what a run computes does not change,
 only when kernels compile.
