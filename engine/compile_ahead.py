@@ -160,6 +160,8 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
     todo = [] if variants is None else [v for v in variants if not (_marker_dir() / v.key).exists()]
     if todo and compilers is None:
         compilers = Compilers(min(len(todo), MAX_WORKERS, os.cpu_count() or 1), KERNEL_MODULES)
+    elif todo:
+        compilers.keep(len(todo))
     return CompileJob(run_id, variants, todo, compilers, t0)
 
 

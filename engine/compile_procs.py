@@ -77,6 +77,13 @@ class Compilers:
             child.wait()
         self.children = []
 
+    def keep(self, n: int) -> None:
+        """End the children beyond the first n now (fewer variants than children: the rest would only import)."""
+        for child in self.children[n:]:
+            child.kill()
+            child.wait()
+        self.children = self.children[:n]
+
     def kill(self) -> None:
         """End the children now, their variants unfinished (their feeding threads see them die)."""
         for child in self.children:

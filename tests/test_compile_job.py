@@ -53,6 +53,14 @@ def test_variants_compile_in_the_background_then_a_second_run_finds_them_cached(
     assert given.children == [] and all(c.returncode is not None for c in children)
 
 
+def test_children_beyond_the_variants_are_ended_before_compiling(fake):
+    given = Compilers(4, ("fake_kernels",))
+    extra = given.children[1:]
+    job = _job(["only"], "run-d", given)
+    assert len(given.children) == 1 and all(c.returncode is not None for c in extra)
+    assert job.wait().compiled == 1
+
+
 def test_a_variant_that_fails_is_counted_and_leaves_no_manifest(fake):
     out, marks, _ = fake
     report = _job(["ok1", "boom", "ok2"], "run-b").wait()  # no children given: started for the variants
