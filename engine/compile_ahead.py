@@ -91,7 +91,7 @@ def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
 def start_compilers(run_id: str) -> Compilers | None:
     """Before the model loads: None when the run's variants all compiled before (a warm machine), else child
     processes started now, so that their import of torch, Triton and the kernels runs beside the load."""
-    return None if _compiled_before(run_id) else Compilers(min(MAX_WORKERS, os.cpu_count() or 1), KERNEL_MODULES)
+    return None if _compiled_before(run_id) else Compilers(min(MAX_WORKERS, _cpus()), KERNEL_MODULES)
 
 
 class CompileJob:
@@ -114,11 +114,11 @@ class CompileJob:
             errors = self.errors.result()
         except Exception as e:  # noqa: BLE001  (no thread to feed them, say): they compile when launched
             errors = [f"not compiled: {e}"] * len(self.todo)
-        finally:
-            if self.compilers is not None and self.todo:
-                self.compilers.close()
-            elif self.compilers is not None:  # children with nothing to do may still be importing: not waited for
-                self.compilers.kill()
+        except BaseException:  # Ctrl-C, SIGTERM: no waiting for the variants under way
+            self.cancel()
+            raise
+        if self.compilers is not None:
+            self.compilers.close()
         seconds = self.dry_run + time.perf_counter() - t0
         if self.variants is None:
             return CompileReport(self.cached, 0, 0, 0, seconds)
@@ -152,15 +152,17 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
     t0 = time.perf_counter()
     known = _compiled_before(run_id)
     if known is not None:
-        return CompileJob(run_id, None, [], compilers, t0, cached=len(known))
+        if compilers is not None:
+            compilers.kill()
+        return CompileJob(run_id, None, [], None, t0, cached=len(known))
     try:
         variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs))
     except Exception:  # noqa: BLE001  a Triton whose hooks differ: the kernels compile as launched, as before
         variants = None
-    todo = [] if variants is None else [v for v in variants if not (_marker_dir() / v.key).exists()]
+    todo = [] if variants is None else [v for v in variants if not _marked(v)]
     if todo and compilers is None:
-        compilers = Compilers(min(len(todo), MAX_WORKERS, os.cpu_count() or 1), KERNEL_MODULES)
-    elif todo:
+        compilers = Compilers(min(len(todo), MAX_WORKERS, _cpus()), KERNEL_MODULES)
+    elif compilers is not None:  # children beyond the work (all of them, with none) would only import
         compilers.keep(len(todo))
     return CompileJob(run_id, variants, todo, compilers, t0)
 
@@ -186,7 +188,21 @@ def _compiled_before(run_id: str) -> list[str] | None:
         known = (marks / f"run-{run_id}").read_text().split()
     except OSError:
         return None
-    return known if known and all((marks / k).exists() for k in known) else None
+    try:
+        return known if known and all((marks / k).exists() for k in known) else None
+    except OSError:  # an unsearchable foreign cache folder: compiled here or not, this run cannot tell
+        return None
+
+
+def _marked(v: Variant) -> bool:
+    try:
+        return (_marker_dir() / v.key).exists()
+    except OSError:
+        return False
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _marker_dir() -> Path:

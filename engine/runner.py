@@ -19,6 +19,7 @@ from policyscan.engine.config import ModelConfig
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.graphs import GraphedForward
 from policyscan.engine.loader import attach_policies, load_decoder, shaped_decoder
+from policyscan.engine.model import Decoder
 from policyscan.engine.policy import Policy
 from policyscan.engine.precision import PRECISIONS, Precision, decide_precision
 from policyscan.engine.prompts import PromptBuilder, TextEncoder
@@ -106,7 +107,7 @@ class Engine:
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
         heads = [b.head for b in self.builders] if settings.prefix_cache else []
         self.compile: CompileReport | None = None
-        ahead, job = gpu and settings.compile_ahead, None
+        ahead, job, compilers = gpu and settings.compile_ahead, None, None
         if ahead:
             run_id = variants_id(self.checkpoint.config, self.precision.record(), heads, settings.batch_tokens,
                                  settings.cuda_graphs, [p.adapter_sha256 for p in policies], str(self.device))
@@ -120,10 +121,12 @@ class Engine:
         except BaseException:
             if job is not None:
                 job.cancel()
+            elif compilers is not None:
+                compilers.kill()
             raise
         if ahead:
-            self.compile = (job or compile_ahead(self.decoder, heads, settings.batch_tokens, settings.cuda_graphs,
-                                                 run_id)).wait()
+            self.compile = job.wait() if job is not None else _compile_after_load(
+                self.decoder, heads, settings, run_id, compilers)
         self._prefix = None
         if settings.prefix_cache:
             with torch.inference_mode():
@@ -221,17 +224,29 @@ def _compile_on_shapes(ckpt: Checkpoint, precision: Precision, device: torch.dev
                        run_id: str, compilers: Compilers) -> CompileJob | None:
     """compile_ahead's dry run on a decoder of the model's shapes (weights unread), its variants compiling in the
     background: the fresh W1 run's compile went on after its load (12.6 s, the children importing beside the
-    load) where it can run beside it. None if that decoder cannot be built: the dry run then follows the load."""
+    load) where it can run beside it. None if that decoder cannot be built: the dry run then follows the load,
+    with the same children."""
     try:
         shaped = shaped_decoder(ckpt, _ops(True), precision, device)
         attach_policies(shaped, policies, label_ids)
         return compile_ahead(shaped, heads, settings.batch_tokens, settings.cuda_graphs, run_id, compilers)
     except Exception:  # noqa: BLE001  only when kernels compile changes: the real load reports what is wrong
-        compilers.kill()
         return None
     except BaseException:
         compilers.kill()
         raise
+
+
+def _compile_after_load(decoder: Decoder, heads: list[list[int]], settings: EngineSettings, run_id: str,
+                        compilers: Compilers | None) -> CompileReport | None:
+    """compile_ahead on the loaded decoder (a manifest gone since start_compilers looked, or no shaped decoder);
+    None if it fails: the kernels then compile when launched, as without it."""
+    try:
+        return compile_ahead(decoder, heads, settings.batch_tokens, settings.cuda_graphs, run_id, compilers).wait()
+    except Exception:  # noqa: BLE001  a run never fails for when its kernels compile
+        if compilers is not None:
+            compilers.kill()
+        return None
 
 
 def _ops(gpu: bool):

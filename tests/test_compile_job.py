@@ -61,6 +61,16 @@ def test_children_beyond_the_variants_are_ended_before_compiling(fake):
     assert job.wait().compiled == 1
 
 
+def test_children_given_when_nothing_is_left_to_compile_are_ended_at_once(fake):
+    _job(["m0", "m1"], "run-e").wait()
+    (fake[1] / "run-run-e").unlink()  # the manifest gone (another configuration), every variant still marked
+    given = Compilers(3, ("fake_kernels",))
+    children = list(given.children)
+    job = _job(["m0", "m1"], "run-e", given)
+    assert given.children == [] and all(c.returncode is not None for c in children)  # before the load, not after
+    assert (job.wait().compiled, (fake[1] / "run-run-e").exists()) == (0, True)
+
+
 def test_a_variant_that_fails_is_counted_and_leaves_no_manifest(fake):
     out, marks, _ = fake
     report = _job(["ok1", "boom", "ok2"], "run-b").wait()  # no children given: started for the variants
@@ -76,3 +86,26 @@ def test_cancel_ends_the_children_while_they_compile(fake):
     job.cancel()
     report = job.wait()
     assert time.monotonic() - t0 < 30 and report.compiled < 50 and report.failed == 50 - report.compiled
+
+
+def test_the_engine_never_fails_for_compile_ahead_and_keeps_its_children_for_the_fallback(fake, monkeypatch):
+    """runner's two steps: a shaped decoder that cannot be built leaves the children to the dry run after the
+    load; a compile-ahead that fails after the load reports nothing and ends them (the kernels then compile at
+    launch)."""
+    from policyscan.engine import runner
+    from policyscan.engine.runner import EngineSettings
+
+    def no_shapes(*args):
+        raise RuntimeError("cannot build it")
+    monkeypatch.setattr(runner, "shaped_decoder", no_shapes)
+    given = Compilers(2, ("fake_kernels",))
+    assert runner._compile_on_shapes(None, None, None, [], [], [], EngineSettings(), "run-f", given) is None
+    assert len(given.children) == 2 and all(c.poll() is None for c in given.children)
+    report = runner._compile_after_load(["f0"], [], EngineSettings("cpu"), "run-f", given)
+    assert report.compiled == 1 and given.children == []
+
+    def broken(*args, **kwargs):
+        raise PermissionError("policyscan_variants: not searchable")
+    monkeypatch.setattr(runner, "compile_ahead", broken)
+    again = Compilers(1, ("fake_kernels",))
+    assert runner._compile_after_load(["f1"], [], EngineSettings(), "run-g", again) is None and again.children == []
