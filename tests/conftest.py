@@ -28,13 +28,6 @@ def pytest_cmdline_main(config):
     config.option.numprocesses, config.option.dist = 2, "loadfile"
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files with slow tests first (a stable sort): two processes then end together, instead of one running the
-    last slow files alone."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
-
-
 def _has_cuda() -> bool:
     import torch
 
