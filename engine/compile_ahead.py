@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from policyscan.engine.compile_procs import Compilers
+from policyscan.engine.compile_procs import Compilers, usable_cpus
 from policyscan.engine.files import in_background
 from policyscan.engine.graphs import GraphedForward, static_batch
 from policyscan.engine.model import Decoder
@@ -91,7 +91,7 @@ def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
 def start_compilers(run_id: str) -> Compilers | None:
     """Before the model loads: None when the run's variants all compiled before (a warm machine), else child
     processes started now, so that their import of torch, Triton and the kernels runs beside the load."""
-    return None if _compiled_before(run_id) else Compilers(min(MAX_WORKERS, _cpus()), KERNEL_MODULES)
+    return None if _compiled_before(run_id) else Compilers(min(MAX_WORKERS, usable_cpus()), KERNEL_MODULES)
 
 
 class CompileJob:
@@ -161,7 +161,7 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
         variants = None
     todo = [] if variants is None else [v for v in variants if not _marked(v)]
     if todo and compilers is None:
-        compilers = Compilers(min(len(todo), MAX_WORKERS, _cpus()), KERNEL_MODULES)
+        compilers = Compilers(min(len(todo), MAX_WORKERS, usable_cpus()), KERNEL_MODULES)
     elif compilers is not None:  # children beyond the work (all of them, with none) would only import
         compilers.keep(len(todo))
     return CompileJob(run_id, variants, todo, compilers, t0)
@@ -199,10 +199,6 @@ def _marked(v: Variant) -> bool:
         return (_marker_dir() / v.key).exists()
     except OSError:
         return False
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _marker_dir() -> Path:

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 import threading
 from collections import deque
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container or taskset narrows), else all."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class Compilers:

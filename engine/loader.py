@@ -23,7 +23,7 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("
 def load_decoder(ckpt: Checkpoint, ops: ModuleType, precision: Precision,
                  device: torch.device | str = "cpu") -> Decoder:
     """Read each tensor once, streamed to the device (engine/read_ahead.py) and turned into its final dtype there
-(no second full copy of the model).
+    (no second full copy of the model).
 
     precision.fp8_weights: base weights go through e4m3 with per-channel scales (kept from an FP8 checkpoint, else
     quantized); precision.w8a8 keeps them e4m3 in Fp8LoraLinear (the GPU kernels), otherwise they are dequantized

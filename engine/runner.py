@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 from policyscan.engine.batch import pack, plan_batches
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.compile_ahead import CompileJob, CompileReport, compile_ahead, start_compilers, variants_id
-from policyscan.engine.compile_procs import Compilers
+from policyscan.engine.compile_procs import Compilers, usable_cpus
 from policyscan.engine.files import in_background
 from policyscan.engine.config import ModelConfig
 from policyscan.engine.errors import PolicyscanError
@@ -69,7 +68,7 @@ def default_threads() -> int:
     """The CPUs this process may run on, at most 4, the most measured nowhere (on 2 cores at load 8 the sample's
     scoring took 14.9-15.1 s on 1 thread, 15.9-17.1 s on 2: the pool's idle threads sleep, where OpenMP's spun
     and collapsed). f is bitwise the same for any count (tests/test_cpu_threads.py)."""
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4))
+    return max(1, min(usable_cpus(), 4))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -223,9 +222,8 @@ def _compile_on_shapes(ckpt: Checkpoint, precision: Precision, device: torch.dev
                        label_ids: list[tuple[int, int]], heads: list[list[int]], settings: EngineSettings,
                        run_id: str, compilers: Compilers) -> CompileJob | None:
     """compile_ahead's dry run on a decoder of the model's shapes (weights unread), its variants compiling in the
-    background: the fresh W1 run's compile went on after its load (12.6 s, the children importing beside the
-    load) where it can run beside it. None if that decoder cannot be built: the dry run then follows the load,
-    with the same children."""
+    background while the weights load (the fresh W1 run compiled for 12.6 s after its load instead). None if that
+    decoder cannot be built: the dry run then follows the load, with the same children."""
     try:
         shaped = shaped_decoder(ckpt, _ops(True), precision, device)
         attach_policies(shaped, policies, label_ids)
