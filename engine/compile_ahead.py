@@ -36,6 +36,10 @@ from policyscan.engine.model import Decoder
 
 KERNEL_MODULES = ("policyscan.kernels.triton_ops",)  # what a compiling child imports ahead: every kernel's module
 MAX_WORKERS = 16  # compiling children at most (and no more than the CPUs)
+# Seconds a variant took to compile on the H200 machine, on average per kernel (bench/compile_times.py, W1): the
+# slowest go first, so that the last to start is short (W1's queue: 7.5 s in the dry run's order, 6.4 s so)
+COMPILE_SECONDS = {"_lora_gemm_ws_kernel": 4.2, "_lora_gemm_tma_kernel": 1.5, "_prologue_kernel": 1.5,
+                   "_lora_gemm_kernel": 1.3, "_attn_kernel": 1.1}
 _LOCK = threading.Lock()  # one dry run at a time: each patches Triton for the whole process
 _LOCAL = threading.local()  # .on: this thread is in a dry run (other threads' launches run as usual)
 
@@ -102,7 +106,7 @@ class CompileJob:
         """variants None: nothing to compile, `cached` variants compiled before (or none known: no dry run)."""
         self.run_id, self.variants, self.todo, self.compilers, self.cached = run_id, variants, todo, compilers, cached
         self.dry_run = time.perf_counter() - started  # spent before the job went to the background
-        self.workers = min(len(todo), len(compilers.children)) if compilers and todo else 0
+        self.workers = min(len(todo), len(compilers.workers)) if compilers and todo else 0
         self.errors = in_background(lambda: compilers.compile([(v.module, v.name, v.data) for v in todo])
                                     if todo else [], "policyscan-compile")
 
@@ -159,7 +163,8 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
         variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs))
     except Exception:  # noqa: BLE001  a Triton whose hooks differ: the kernels compile as launched, as before
         variants = None
-    todo = [] if variants is None else [v for v in variants if not _marked(v)]
+    todo = [] if variants is None else sorted((v for v in variants if not _marked(v)),
+                                              key=lambda v: -COMPILE_SECONDS.get(v.name, 0.0))
     if todo and compilers is None:
         compilers = Compilers(min(len(todo), MAX_WORKERS, usable_cpus()), KERNEL_MODULES)
     elif compilers is not None:  # children beyond the work (all of them, with none) would only import

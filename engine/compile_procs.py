@@ -1,17 +1,19 @@
 """Compile Triton kernel variants in child processes, into Triton's disk cache (engine/compile_ahead.py).
 
-Plain subprocesses (`python -m policyscan.engine.compile_procs MODULE...`), not a multiprocessing pool: they never
-import the caller's __main__ (a library user's unguarded script would run again in every child), and a daemonic
-process (a scoring worker, engine/workers.py) may start them, where it may not start a pool. Each child imports
-the kernels' modules as it starts, so that a caller starting them before its model load has their import (torch
-and Triton, most of a child's first 7.6-12.4 s on the H200 machine, bench/compile_times.py) done by the time
-the variants are known; then it takes one variant at a time from its parent as a JSON line and answers "ok" or
-the error, so the slowest variants do not wait behind each other."""
+One plain subprocess (`python -m policyscan.engine.compile_procs`), not a multiprocessing pool: it never imports
+the caller's __main__ (a library user's unguarded script would run again), and a daemonic process (a scoring
+worker, engine/workers.py) may start it, where it may not start a pool. It imports the kernels' modules once and
+then forks the compiling workers, which share that import: 16 children each importing torch and Triton took
+9-14 s beside the model load on the H200 machine (bench/compile_times.py), the fork a few milliseconds. Nothing
+in it touches CUDA before the fork, so each worker may. A worker takes one variant at a time from the caller as a
+JSON line on its own pipe and answers "ok" or the error, so the slowest variants do not wait behind each other.
+POSIX only (fork), as Triton's GPU path is."""
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,31 +25,59 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+class Worker:
+    """The caller's end of one compiling worker: a pipe each way."""
+
+    def __init__(self, to_worker: int, from_worker: int):
+        self.stdin = os.fdopen(to_worker, "w")
+        self.stdout = os.fdopen(from_worker, "r")
+
+    def close(self) -> None:
+        for f in (self.stdin, self.stdout):
+            try:
+                f.close()  # the worker's loop ends at end of input
+            except OSError:
+                pass
+
+
 class Compilers:
-    """Up to `workers` child processes, started now, importing `modules`; compile() hands them variants, close()
-    (or the end of a with block) ends them. Nothing raises: a child that cannot start or dies leaves its variants
-    uncompiled, with the reason."""
+    """Up to `workers` compiling workers, started now in one process importing `modules`; compile() hands them
+    variants, close() (or the end of a with block) ends them. Nothing raises: workers that cannot start or die
+    leave their variants uncompiled, with the reason."""
 
     def __init__(self, workers: int, modules: tuple[str, ...] = ()):
-        self.children: list[subprocess.Popen] = []
+        self.workers: list[Worker] = []
         self.error: str | None = None
-        for _ in range(max(1, workers)):
-            try:
-                self.children.append(subprocess.Popen(
-                    [sys.executable, "-m", "policyscan.engine.compile_procs", *modules], text=True,
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
-            except OSError as e:  # an embedded interpreter whose sys.executable is no Python, or no processes left
-                self.error = f"no child process: {e}"
-                break
+        self.process: subprocess.Popen | None = None
+        ends, theirs = [], []
+        try:
+            for _ in range(max(1, workers)):
+                (r0, w0), (r1, w1) = os.pipe(), os.pipe()  # caller -> worker, worker -> caller
+                ends.append((w0, r1))
+                theirs += [r0, w1]
+            # its own process group: kill() ends the workers it forked with it, Ctrl-C in a terminal reaches
+            # the caller only, which ends them
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "policyscan.engine.compile_procs", ",".join(map(str, theirs)), *modules],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                pass_fds=theirs, start_new_session=True)
+            self.workers = [Worker(w, r) for w, r in ends]
+        except OSError as e:  # an embedded interpreter whose sys.executable is no Python, or no processes left
+            self.error = f"no child process: {e}"
+            for fd in [fd for pair in ends for fd in pair]:
+                os.close(fd)
+        finally:
+            for fd in theirs:
+                os.close(fd)
 
     def compile(self, variants: list[tuple[str, str, str]]) -> list[str | None]:
-        """(module, kernel name, Triton's serialized specialization) each; per variant None when it compiled, else
-        why not."""
+        """(module, kernel name, Triton's serialized specialization) each, handed out in this order; per variant
+        None when it compiled, else why not."""
         todo = deque(enumerate(variants))
         results: list[str | None] = [self.error or "not compiled: no child process took it"] * len(variants)
         lock = threading.Lock()
 
-        def feed(child: subprocess.Popen) -> None:
+        def feed(worker: Worker) -> None:
             i = None
             try:
                 while True:
@@ -55,18 +85,18 @@ class Compilers:
                         if not todo:
                             return
                         i, v = todo.popleft()
-                    child.stdin.write(json.dumps(v) + "\n")
-                    child.stdin.flush()
-                    line = child.stdout.readline()
+                    worker.stdin.write(json.dumps(v) + "\n")
+                    worker.stdin.flush()
+                    line = worker.stdout.readline()
                     results[i] = None if line.strip() == "ok" else (line.strip() or "the child process died")
                     if not line:
                         return
-            except (OSError, ValueError) as e:  # the child died: its variant stays uncompiled, the others go on
+            except (OSError, ValueError) as e:  # the worker died: its variant stays uncompiled, the others go on
                 if i is not None:
                     results[i] = f"the child process failed: {e}"
 
-        threads = [threading.Thread(target=feed, args=(c,), name=f"policyscan-compile-{n}")
-                   for n, c in enumerate(self.children[:len(variants)])]
+        threads = [threading.Thread(target=feed, args=(w,), name=f"policyscan-compile-{n}")
+                   for n, w in enumerate(self.workers[:len(variants)])]
         for t in threads:
             t.start()
         for t in threads:
@@ -74,26 +104,29 @@ class Compilers:
         return results
 
     def close(self) -> None:
-        for child in self.children:
-            try:
-                child.stdin.close()  # the child's loop ends at end of input
-            except OSError:
-                pass
-        for child in self.children:
-            child.wait()
-        self.children = []
+        """End the workers once their variant at hand is done, and wait for them."""
+        for worker in self.workers:
+            worker.close()
+        self.workers = []
+        if self.process is not None:
+            self.process.wait()
 
     def keep(self, n: int) -> None:
-        """End the children beyond the first n now (fewer variants than children: the rest would only import)."""
-        for child in self.children[n:]:
-            child.kill()
-            child.wait()
-        self.children = self.children[:n]
+        """End the workers beyond the first n (fewer variants than workers: the rest would only wait); with none
+        kept, the process too, at once (its import would only compete with the model load)."""
+        if n == 0:
+            return self.kill()
+        for worker in self.workers[n:]:
+            worker.close()
+        self.workers = self.workers[:n]
 
     def kill(self) -> None:
-        """End the children now, their variants unfinished (their feeding threads see them die)."""
-        for child in self.children:
-            child.kill()
+        """End every worker now, their variants unfinished (their feeding threads see them die)."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except OSError:  # ended already
+                pass
         self.close()
 
     def __enter__(self) -> "Compilers":
@@ -103,23 +136,44 @@ class Compilers:
         self.close()
 
 
-def _serve(modules: list[str]) -> None:
-    """In a child: the modules imported, then a variant a line on stdin, "ok" or the error a line on stdout."""
+def _serve(to_worker: int, from_worker: int) -> None:
+    """In a worker: a variant a line in, "ok" or the error a line out, until the caller closes its end."""
+    with os.fdopen(to_worker, "r") as lines, os.fdopen(from_worker, "w") as answers:
+        for line in lines:
+            module, name, data = json.loads(line)
+            try:
+                getattr(importlib.import_module(module), name).preload(data)
+                answer = "ok"
+            except Exception as e:  # noqa: BLE001  reported to the caller, which compiles it at launch instead
+                answer = f"{type(e).__name__}: {e}".replace("\n", " ")[:500]
+            answers.write(answer + "\n")
+            answers.flush()
+
+
+def _main(fds: list[int], modules: list[str]) -> None:
+    """The modules imported, then a worker forked per pipe pair; each keeps its own pair and closes the rest, so
+    that a worker that dies is seen at once by the caller."""
     for module in modules:
         try:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001  each variant importing it again reports the error
             pass
-    for line in sys.stdin:
-        module, name, data = json.loads(line)
-        try:
-            getattr(importlib.import_module(module), name).preload(data)
-            answer = "ok"
-        except Exception as e:  # noqa: BLE001  reported to the parent, which compiles it at launch instead
-            answer = f"{type(e).__name__}: {e}".replace("\n", " ")[:500]
-        sys.stdout.write(answer + "\n")
-        sys.stdout.flush()
+    pairs = list(zip(fds[::2], fds[1::2]))
+    os.nice(10)  # the caller's model load comes first: beside 16 workers at the same priority it took 10-20 s
+    for pair in pairs:
+        if os.fork() == 0:
+            for fd in fds:
+                if fd not in pair:
+                    os.close(fd)
+            try:
+                _serve(*pair)
+            finally:
+                os._exit(0)
+    for fd in fds:
+        os.close(fd)
+    for _ in pairs:
+        os.wait()
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1:])
+    _main([int(fd) for fd in sys.argv[1].split(",")], sys.argv[2:])

@@ -17,7 +17,7 @@ from policyscan.engine.files import in_background
 from policyscan.engine.config import ModelConfig
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.graphs import GraphedForward
-from policyscan.engine.loader import attach_policies, load_decoder, shaped_decoder
+from policyscan.engine.loader import attach_policies, factors_on, load_decoder, shaped_decoder
 from policyscan.engine.model import Decoder
 from policyscan.engine.policy import Policy
 from policyscan.engine.precision import PRECISIONS, Precision, decide_precision
@@ -106,17 +106,19 @@ class Engine:
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
         heads = [b.head for b in self.builders] if settings.prefix_cache else []
         self.compile: CompileReport | None = None
-        ahead, job, compilers = gpu and settings.compile_ahead, None, None
+        ahead, job, compilers, factors = gpu and settings.compile_ahead, None, None, None
         if ahead:
             run_id = variants_id(self.checkpoint.config, self.precision.record(), heads, settings.batch_tokens,
                                  settings.cuda_graphs, [p.adapter_sha256 for p in policies], str(self.device))
             compilers = start_compilers(run_id)
-            if compilers is not None:  # not compiled here before: the kernels compile while the weights load
-                job = _compile_on_shapes(self.checkpoint, self.precision, self.device, policies, label_ids, heads,
-                                         settings, run_id, compilers)
         try:
+            if compilers is not None:  # not compiled here before: the kernels compile while the weights load
+                factors = factors_on(policies, self.device)  # the shaped decoder's and the real one's
+                job = _compile_on_shapes(self.checkpoint, self.precision, self.device, policies, label_ids, heads,
+                                         settings, run_id, compilers, factors)
             self.decoder = load_decoder(self.checkpoint, _ops(gpu), self.precision, self.device)
-            attach_policies(self.decoder, policies, label_ids)
+            attach_policies(self.decoder, policies, label_ids, factors)
+            del factors
         except BaseException:
             if job is not None:
                 job.cancel()
@@ -220,13 +222,13 @@ def _check_offsets(cfg: ModelConfig, batch_tokens: int) -> None:
 
 def _compile_on_shapes(ckpt: Checkpoint, precision: Precision, device: torch.device, policies: list[Policy],
                        label_ids: list[tuple[int, int]], heads: list[list[int]], settings: EngineSettings,
-                       run_id: str, compilers: Compilers) -> CompileJob | None:
+                       run_id: str, compilers: Compilers, factors: list[dict]) -> CompileJob | None:
     """compile_ahead's dry run on a decoder of the model's shapes (weights unread), its variants compiling in the
     background while the weights load (the fresh W1 run compiled for 12.6 s after its load instead). None if that
     decoder cannot be built: the dry run then follows the load, with the same children."""
     try:
         shaped = shaped_decoder(ckpt, _ops(True), precision, device)
-        attach_policies(shaped, policies, label_ids)
+        attach_policies(shaped, policies, label_ids, factors)
         return compile_ahead(shaped, heads, settings.batch_tokens, settings.cuda_graphs, run_id, compilers)
     except Exception:  # noqa: BLE001  only when kernels compile changes: the real load reports what is wrong
         return None

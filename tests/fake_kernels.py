@@ -1,6 +1,8 @@
 """A stand-in for a Triton kernel module in tests/test_compile_procs.py: `kernel.preload(data)` leaves a file named
-data in $FAKE_OUT holding the pid that wrote it, or fails for data == "boom"; importing it leaves imported-<pid>."""
+data in $FAKE_OUT holding the pid that wrote it; data "boom" fails, "die" ends the process, "hang" sleeps for two
+minutes. Importing it leaves imported-<pid>."""
 import os
+import time
 from pathlib import Path
 
 Path(os.environ["FAKE_OUT"], f"imported-{os.getpid()}").touch()
@@ -10,6 +12,10 @@ class _Kernel:
     def preload(self, data: str) -> None:
         if data == "boom":
             raise ValueError("cannot compile this one")
+        if data == "die":
+            os._exit(3)
+        if data == "hang":
+            time.sleep(120)
         Path(os.environ["FAKE_OUT"], data).write_text(str(os.getpid()))
 
 

@@ -47,17 +47,16 @@ def test_variants_compile_in_the_background_then_a_second_run_finds_them_cached(
     assert (marks / "run-run-a").read_text().split() == [ca.Variant("fake_kernels", "kernel", f"v{i}", "src").key
                                                          for i in range(5)]
     given = Compilers(2, ("fake_kernels",))
-    children = list(given.children)
     again = _job(["never", "asked"], "run-a", given).wait()
     assert (again.variants, again.compiled, again.failed) == (5, 0, 0) and runs == [runs[0]]  # no dry run
-    assert given.children == [] and all(c.returncode is not None for c in children)
+    assert given.workers == [] and given.process.returncode is not None
 
 
 def test_children_beyond_the_variants_are_ended_before_compiling(fake):
     given = Compilers(4, ("fake_kernels",))
-    extra = given.children[1:]
+    extra = given.workers[1:]
     job = _job(["only"], "run-d", given)
-    assert len(given.children) == 1 and all(c.returncode is not None for c in extra)
+    assert len(given.workers) == 1 and all(w.stdin.closed for w in extra)
     assert job.wait().compiled == 1
 
 
@@ -65,9 +64,8 @@ def test_children_given_when_nothing_is_left_to_compile_are_ended_at_once(fake):
     _job(["m0", "m1"], "run-e").wait()
     (fake[1] / "run-run-e").unlink()  # the manifest gone (another configuration), every variant still marked
     given = Compilers(3, ("fake_kernels",))
-    children = list(given.children)
     job = _job(["m0", "m1"], "run-e", given)
-    assert given.children == [] and all(c.returncode is not None for c in children)  # before the load, not after
+    assert given.workers == [] and given.process.returncode is not None  # before the load, not after
     assert (job.wait().compiled, (fake[1] / "run-run-e").exists()) == (0, True)
 
 
@@ -99,13 +97,24 @@ def test_the_engine_never_fails_for_compile_ahead_and_keeps_its_children_for_the
         raise RuntimeError("cannot build it")
     monkeypatch.setattr(runner, "shaped_decoder", no_shapes)
     given = Compilers(2, ("fake_kernels",))
-    assert runner._compile_on_shapes(None, None, None, [], [], [], EngineSettings(), "run-f", given) is None
-    assert len(given.children) == 2 and all(c.poll() is None for c in given.children)
+    assert runner._compile_on_shapes(None, None, None, [], [], [], EngineSettings(), "run-f", given,
+                                     []) is None
+    assert len(given.workers) == 2 and given.process.poll() is None
     report = runner._compile_after_load(["f0"], [], EngineSettings("cpu"), "run-f", given)
-    assert report.compiled == 1 and given.children == []
+    assert report.compiled == 1 and given.workers == []
 
     def broken(*args, **kwargs):
         raise PermissionError("policyscan_variants: not searchable")
     monkeypatch.setattr(runner, "compile_ahead", broken)
     again = Compilers(1, ("fake_kernels",))
-    assert runner._compile_after_load(["f1"], [], EngineSettings(), "run-g", again) is None and again.children == []
+    assert runner._compile_after_load(["f1"], [], EngineSettings(), "run-g", again) is None and again.workers == []
+
+
+def test_the_slowest_kernels_are_handed_out_first(fake, monkeypatch):
+    names = ["_rope_kernel", "_attn_kernel", "_lora_gemm_ws_kernel", "_head_kernel", "_lora_gemm_ws_kernel"]
+    monkeypatch.setattr(ca, "_dry_run", lambda decoder, heads, shapes: [
+        ca.Variant("fake_kernels", n, f"d{i}", "src") for i, n in enumerate(names)])
+    job = _job([], "run-h", Compilers(1, ("fake_kernels",)))
+    job.cancel()
+    assert [v.data for v in job.todo] == ["d2", "d4", "d1", "d0", "d3"]  # the rest keep the dry run's order
+    job.wait()

@@ -1,11 +1,13 @@
 """Kernel variants compiled in child processes (engine/compile_procs.py), on a CPU with a stand-in kernel module:
-every variant once, failures reported per variant and never raised, several children at work, the kernels'
-modules imported as the children start (before any variant is known), and a daemonic process (a scoring worker)
-may use them."""
+every variant once, failures reported per variant and never raised, several workers at work, the kernels'
+modules imported once as the process starts (before any variant is known) and shared by the forked workers, a
+worker that dies costs only its variant, kill() ends workers in the middle of a compile, and a daemonic process
+(a scoring worker) may use them."""
 from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +25,10 @@ def _compiled(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if not p.name.startswith("imported-"))
 
 
+def _imports(out: Path) -> list[Path]:
+    return list(out.glob("imported-*"))
+
+
 def test_each_variant_compiles_once_and_failures_are_reported(monkeypatch, tmp_path):
     _env(monkeypatch, tmp_path)
     variants = [("fake_kernels", "kernel", f"v{i}") for i in range(9)]
@@ -32,32 +38,30 @@ def test_each_variant_compiles_once_and_failures_are_reported(monkeypatch, tmp_p
     assert results[:9] == [None] * 9
     assert "cannot compile this one" in results[9] and "no_such_module_here" in results[10]
     assert _compiled(tmp_path) == sorted(f"v{i}" for i in range(9))
-    assert len({(tmp_path / f"v{i}").read_text() for i in range(9)}) >= 2  # more than one child took variants
+    assert len({(tmp_path / f"v{i}").read_text() for i in range(9)}) >= 2  # more than one worker took variants
 
 
-def test_children_import_the_kernels_as_they_start_and_close_unused(monkeypatch, tmp_path):
+def test_the_kernels_are_imported_once_before_any_variant_and_the_workers_share_it(monkeypatch, tmp_path):
     _env(monkeypatch, tmp_path)
     compilers = Compilers(4, ("fake_kernels",))
     deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("imported-*"))) < 4 and time.monotonic() < deadline:
+    while not _imports(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(list(tmp_path.glob("imported-*"))) == 4  # before any variant was sent
-    assert compilers.compile([("fake_kernels", "kernel", "only")]) == [None]  # one variant: one child at work
-    children = list(compilers.children)
+    assert [p.name for p in _imports(tmp_path)] == [f"imported-{compilers.process.pid}"]  # before any variant
+    assert compilers.compile([("fake_kernels", "kernel", f"s{i}") for i in range(8)]) == [None] * 8
     compilers.close()
-    assert all(c.returncode == 0 for c in children) and compilers.children == []
-    assert _compiled(tmp_path) == ["only"]
+    assert compilers.process.returncode == 0 and compilers.workers == []
+    pids = {(tmp_path / f"s{i}").read_text() for i in range(8)}
+    assert str(compilers.process.pid) not in pids and len(pids) >= 2  # forked workers compiled them
+    assert len(_imports(tmp_path)) == 1  # which imported nothing again
 
 
-def test_a_child_that_dies_leaves_its_variant_uncompiled_and_the_rest_go_on(monkeypatch, tmp_path):
+def test_a_worker_that_dies_leaves_its_variant_uncompiled_and_the_rest_go_on(monkeypatch, tmp_path):
     _env(monkeypatch, tmp_path)
     with Compilers(2, ("fake_kernels",)) as compilers:
-        compilers.children[0].kill()
-        compilers.children[0].wait()
-        results = compilers.compile([("fake_kernels", "kernel", f"k{i}") for i in range(6)])
-    assert sum(r is not None for r in results) <= 1  # the dead child's one variant, whose reason is given
-    assert all("child process" in r for r in results if r is not None)
-    assert len(_compiled(tmp_path)) == sum(r is None for r in results) >= 5
+        results = compilers.compile([("fake_kernels", "kernel", d) for d in ("k0", "die", "k1", "k2", "k3")])
+    assert results[1] == "the child process died"
+    assert _compiled(tmp_path) == ["k0", "k1", "k2", "k3"] and results[0] is None and results[2:] == [None] * 3
 
 
 def _in_daemon(conn) -> None:
@@ -75,10 +79,18 @@ def test_a_daemonic_worker_may_compile_ahead(monkeypatch, tmp_path):
     assert _compiled(tmp_path) == ["d0", "d1"]
 
 
-def test_kill_ends_the_children_at_once(monkeypatch, tmp_path):
+def test_kill_ends_the_workers_in_the_middle_of_a_compile(monkeypatch, tmp_path):
     _env(monkeypatch, tmp_path)
     compilers = Compilers(3, ("fake_kernels",))
-    children = list(compilers.children)
-    compilers.kill()  # a run that failed while they imported
-    assert compilers.children == [] and all(c.returncode is not None for c in children)
+    results = []
+    feeding = threading.Thread(target=lambda: results.extend(
+        compilers.compile([("fake_kernels", "kernel", "hang")] * 3 + [("fake_kernels", "kernel", "never")])))
+    feeding.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    compilers.kill()  # a run that failed, or Ctrl-C, while they compile two-minute variants
+    feeding.join(timeout=60)
+    assert not feeding.is_alive() and time.monotonic() - t0 < 30
+    assert compilers.workers == [] and compilers.process.returncode is not None
+    assert all(r is not None for r in results) and "never" not in _compiled(tmp_path)
     assert compilers.compile([("fake_kernels", "kernel", "late")]) == ["not compiled: no child process took it"]

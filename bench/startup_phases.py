@@ -1,0 +1,94 @@
+"""Where a start-up's time goes (issue 35, docs/performance.md): `policyscan score ARGS` in this process with the
+engine's start-up steps timed from the process's start, the time spent inside the policies' attach summed per
+step, and when each compiling worker answered its first variant.
+
+    TRITON_CACHE_DIR=/tmp/fresh python bench/startup_phases.py score IN -o OUT --model M --policies P --no-progress
+
+A new TRITON_CACHE_DIR is a fresh machine's start; the same again, a warm one."""
+import time
+
+T0 = time.perf_counter()
+
+import collections  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+
+import policyscan.cli.main as cli  # noqa: E402
+import policyscan.engine.compile_ahead as ca  # noqa: E402
+import policyscan.engine.compile_procs as cp  # noqa: E402
+import policyscan.engine.layers as layers  # noqa: E402
+import policyscan.engine.loader as loader  # noqa: E402
+import policyscan.engine.runner as runner  # noqa: E402
+
+EVENTS: list[tuple[float, str]] = []
+INSIDE: dict[str, float] = collections.defaultdict(float)
+HANDED: dict[str, list[float]] = collections.defaultdict(list)
+
+
+def _now() -> float:
+    return time.perf_counter() - T0
+
+
+def steps(module, name: str) -> None:
+    """Log the start and end of every call of module.name."""
+    fn = getattr(module, name)
+
+    def logged(*args, **kwargs):
+        EVENTS.append((_now(), f"{name} start"))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            EVENTS.append((_now(), f"{name} end"))
+    setattr(module, name, logged)
+
+
+def summed(owner, name: str) -> None:
+    """Sum the time of every call of owner.name."""
+    fn = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            INSIDE[name] += time.perf_counter() - t
+    setattr(owner, name, timed)
+
+
+class _Handing:
+    """compile_procs' json, logging each variant handed to a worker (a worker's second: its first answer)."""
+    loads = staticmethod(json.loads)
+
+    @staticmethod
+    def dumps(v) -> str:
+        HANDED[threading.current_thread().name].append(_now())
+        return json.dumps(v)
+
+
+def main() -> None:
+    for name in ("start_compilers", "_compile_on_shapes", "shaped_decoder", "attach_policies", "load_decoder",
+                 "_compile_after_load"):
+        steps(runner, name)
+    steps(ca, "_dry_run")
+    steps(ca.CompileJob, "wait")
+    summed(runner, "factors_on")
+    summed(loader, "_stack")
+    summed(layers.DenseLoraLinear, "set_lora")
+    cp.json = _Handing
+    sys.argv = ["policyscan", *sys.argv[1:]]
+    try:
+        cli.main()
+    except SystemExit as e:
+        EVENTS.append((_now(), f"exit {e.code}"))
+    for t, what in EVENTS:
+        print(f"{t:7.2f} s  {what}")
+    print("summed inside the attach:", {k: round(v, 2) for k, v in INSIDE.items()})
+    firsts = sorted(times[1] for times in HANDED.values() if len(times) > 1)
+    if firsts:
+        print(f"{len(HANDED)} workers: first answers at {firsts[0]:.2f}-{firsts[-1]:.2f} s, "
+              f"last variant handed at {max(t[-1] for t in HANDED.values()):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
