@@ -1,10 +1,11 @@
 """Where a fresh machine's compile time goes (issue 35, docs/performance.md): a workload's kernel variants, as the
 engine's compile-ahead dry run finds them (engine/compile_ahead.py), compiled into an empty Triton cache by
-child processes (engine/compile_procs.py's protocol), each variant timed.
+the engine's compiling workers (engine/compile_procs.py), each variant timed.
 
-Prints: a child's import alone (one, and --workers at once); then, the children started and their imports done
-first (as the engine starts them before its model load), each variant's compile seconds, the slowest, their sum,
-and the makespan in the engine's order against the longest-first order's.
+Prints: a process's import of the kernels alone (one, and --workers at once, as the children of session 33 did);
+then, the workers started and their import done first (as the engine starts them before its model load), each
+variant's compile seconds, the slowest, their sum, and the makespan in the dry run's order against the
+longest-first order's.
 
     python bench/compile_times.py --workload W1 [--dir /tmp/e2e] [--workers 16]"""
 from __future__ import annotations
@@ -15,9 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import deque
 from pathlib import Path
 
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_times_")  # before triton is imported
@@ -26,10 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import prepare  # noqa: E402
 
 from policyscan.engine.compile_ahead import KERNEL_MODULES, _dry_run, shape_classes  # noqa: E402
+from policyscan.engine.compile_procs import Compilers  # noqa: E402
 from policyscan.engine.policy import load_policies  # noqa: E402
 from policyscan.engine.runner import Engine, EngineSettings  # noqa: E402
-
-CHILD = [sys.executable, "-m", "policyscan.engine.compile_procs", *KERNEL_MODULES]
 
 def import_seconds(modules: list[str], n: int) -> float:
     """Wall time of n processes importing the kernels' modules at once."""
@@ -41,38 +39,19 @@ def import_seconds(modules: list[str], n: int) -> float:
     return time.perf_counter() - t0
 
 def timed_compile(variants: list, workers: int, settle: float) -> tuple[list[float], float]:
-    """Each variant's compile seconds (as its child answered) and the makespan, the children started `settle`
-    seconds before the first variant is sent."""
-    todo = deque(enumerate(variants))
-    took = [0.0] * len(variants)
-    lock = threading.Lock()
-    children = [subprocess.Popen(CHILD, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-                for _ in range(workers)]
-    time.sleep(settle)
-    t0 = time.perf_counter()
+    """Each variant's compile seconds (as its worker answered) and the makespan, in the engine's workers
+    (Compilers) started `settle` seconds before the first variant is sent."""
+    with Compilers(workers, KERNEL_MODULES) as compilers:
+        time.sleep(settle)
+        t0 = time.perf_counter()
+        errors = compilers.compile([(v.module, v.name, v.data) for v in variants])
+        wall = time.perf_counter() - t0
+        took = compilers.seconds
+    failed = [(v.name, e) for v, e in zip(variants, errors) if e is not None]
+    if failed:
+        raise SystemExit(f"{len(failed)} variants failed, the first: {failed[0]}")
+    return took, wall
 
-    def feed(child: subprocess.Popen) -> None:
-        while True:
-            with lock:
-                if not todo:
-                    break
-                i, v = todo.popleft()
-            t = time.perf_counter()
-            child.stdin.write(json.dumps([v.module, v.name, v.data]) + "\n")
-            child.stdin.flush()
-            answer = child.stdout.readline().strip()
-            if answer != "ok":
-                raise SystemExit(f"{v.name}: {answer}")
-            took[i] = time.perf_counter() - t
-        child.stdin.close()
-        child.wait()
-
-    threads = [threading.Thread(target=feed, args=(c,)) for c in children]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return took, time.perf_counter() - t0
 
 def makespan(times: list[float], workers: int) -> float:
     """A queue's finish time when `workers` take the variants in this order."""
@@ -99,9 +78,9 @@ def main() -> None:
     print(f"import of {modules}: one process {import_seconds(modules, 1):.2f} s, {args.workers} at once "
           f"{many:.2f} s", flush=True)
     took, wall = timed_compile(variants, args.workers, settle=many + 1)
-    print(f"\n{len(variants)} variants in {args.workers} children started {many + 1:.1f} s before: makespan "
+    print(f"\n{len(variants)} variants in {args.workers} workers started {many + 1:.1f} s before: makespan "
           f"{wall:.2f} s; compile seconds summed {sum(took):.1f} (contended)")
-    print(f"queue model, {args.workers} workers: engine order {makespan(took, args.workers):.2f} s, longest first "
+    print(f"queue model, {args.workers} workers: dry run's order {makespan(took, args.workers):.2f} s, longest first "
           f"{makespan(sorted(took, reverse=True), args.workers):.2f} s, slowest variant {max(took):.2f} s\n")
     print("| variant (kernel) | seconds | specialization (start) |\n|---|---|---|")
     by_name: dict[str, list[float]] = {}

@@ -1,6 +1,7 @@
 """Where a start-up's time goes (issue 35, docs/performance.md): `policyscan score ARGS` in this process with the
 engine's start-up steps timed from the process's start, the time spent inside the policies' attach summed per
-step, and when each compiling worker answered its first variant.
+step, and when each compiling worker answered its first variant. Times count from this script's first line
+(the interpreter's own start, about 0.05 s, comes before).
 
     TRITON_CACHE_DIR=/tmp/fresh python bench/startup_phases.py score IN -o OUT --model M --policies P --no-progress
 
@@ -72,7 +73,8 @@ def main() -> None:
         steps(runner, name)
     steps(ca, "_dry_run")
     steps(ca.CompileJob, "wait")
-    summed(runner, "factors_on")
+    summed(runner, "factors_on")  # the engine's, before a fresh run's shaped decoder
+    summed(loader, "factors_on")  # attach_policies' own, on a warm run
     summed(loader, "_stack")
     summed(layers.DenseLoraLinear, "set_lora")
     cp.json = _Handing

@@ -4,10 +4,11 @@ One plain subprocess (`python -m policyscan.engine.compile_procs`), not a multip
 the caller's __main__ (a library user's unguarded script would run again), and a daemonic process (a scoring
 worker, engine/workers.py) may start it, where it may not start a pool. It imports the kernels' modules once and
 then forks the compiling workers, which share that import: 16 children each importing torch and Triton took
-9-14 s beside the model load on the H200 machine (bench/compile_times.py), the fork a few milliseconds. Nothing
-in it touches CUDA before the fork, so each worker may. A worker takes one variant at a time from the caller as a
-JSON line on its own pipe and answers "ok" or the error, so the slowest variants do not wait behind each other.
-POSIX only (fork), as Triton's GPU path is."""
+9-14 s beside W1's model load on the H200 machine (bench/startup_phases.py), the fork a few milliseconds.
+Nothing in it touches CUDA before the fork (the kernels' modules do not at import), so each worker may. A worker
+takes one variant at a time from the caller as a JSON line on its own pipe and answers with a JSON string, "ok"
+or the error, so the slowest variants do not wait behind each other. POSIX only (fork), as Triton's GPU path
+is."""
 from __future__ import annotations
 
 import importlib
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 
 
@@ -29,8 +31,8 @@ class Worker:
     """The caller's end of one compiling worker: a pipe each way."""
 
     def __init__(self, to_worker: int, from_worker: int):
-        self.stdin = os.fdopen(to_worker, "w")
-        self.stdout = os.fdopen(from_worker, "r")
+        self.stdin = os.fdopen(to_worker, "w", encoding="utf-8")
+        self.stdout = os.fdopen(from_worker, "r", encoding="utf-8")
 
     def close(self) -> None:
         for f in (self.stdin, self.stdout):
@@ -43,18 +45,22 @@ class Worker:
 class Compilers:
     """Up to `workers` compiling workers, started now in one process importing `modules`; compile() hands them
     variants, close() (or the end of a with block) ends them. Nothing raises: workers that cannot start or die
-    leave their variants uncompiled, with the reason."""
+    leave their variants uncompiled, with the reason. `seconds`: each variant's compile as its worker answered."""
 
     def __init__(self, workers: int, modules: tuple[str, ...] = ()):
         self.workers: list[Worker] = []
         self.error: str | None = None
         self.process: subprocess.Popen | None = None
+        self.seconds: list[float] = []
         ends, theirs = [], []
         try:
             for _ in range(max(1, workers)):
-                (r0, w0), (r1, w1) = os.pipe(), os.pipe()  # caller -> worker, worker -> caller
-                ends.append((w0, r1))
-                theirs += [r0, w1]
+                r0, w0 = os.pipe()  # caller -> worker
+                ends.append([w0])
+                theirs.append(r0)
+                r1, w1 = os.pipe()  # worker -> caller
+                ends[-1].append(r1)
+                theirs.append(w1)
             # its own process group: kill() ends the workers it forked with it, Ctrl-C in a terminal reaches
             # the caller only, which ends them
             self.process = subprocess.Popen(
@@ -75,25 +81,34 @@ class Compilers:
         None when it compiled, else why not."""
         todo = deque(enumerate(variants))
         results: list[str | None] = [self.error or "not compiled: no child process took it"] * len(variants)
+        self.seconds = [0.0] * len(variants)
         lock = threading.Lock()
 
         def feed(worker: Worker) -> None:
-            i = None
-            try:
-                while True:
-                    with lock:
-                        if not todo:
-                            return
-                        i, v = todo.popleft()
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i, v = todo.popleft()
+                t = time.perf_counter()
+                try:
                     worker.stdin.write(json.dumps(v) + "\n")
                     worker.stdin.flush()
+                except (OSError, ValueError):  # the worker had gone before it got this variant: another takes it
+                    with lock:
+                        todo.appendleft((i, v))
+                    return
+                try:
                     line = worker.stdout.readline()
-                    results[i] = None if line.strip() == "ok" else (line.strip() or "the child process died")
-                    if not line:
-                        return
-            except (OSError, ValueError) as e:  # the worker died: its variant stays uncompiled, the others go on
-                if i is not None:
+                except (OSError, ValueError) as e:
                     results[i] = f"the child process failed: {e}"
+                    return
+                if not line:  # it died on this variant: not handed out again (it would end the next worker too)
+                    results[i] = "the child process died"
+                    return
+                answer = json.loads(line)
+                results[i] = None if answer == "ok" else answer
+                self.seconds[i] = time.perf_counter() - t
 
         threads = [threading.Thread(target=feed, args=(w,), name=f"policyscan-compile-{n}")
                    for n, w in enumerate(self.workers[:len(variants)])]
@@ -122,7 +137,7 @@ class Compilers:
 
     def kill(self) -> None:
         """End every worker now, their variants unfinished (their feeding threads see them die)."""
-        if self.process is not None:
+        if self.process is not None and self.process.returncode is None:  # not reaped: its group is still its own
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except OSError:  # ended already
@@ -138,15 +153,16 @@ class Compilers:
 
 def _serve(to_worker: int, from_worker: int) -> None:
     """In a worker: a variant a line in, "ok" or the error a line out, until the caller closes its end."""
-    with os.fdopen(to_worker, "r") as lines, os.fdopen(from_worker, "w") as answers:
+    with os.fdopen(to_worker, "r", encoding="utf-8") as lines, \
+            os.fdopen(from_worker, "w", encoding="utf-8") as answers:
         for line in lines:
             module, name, data = json.loads(line)
             try:
                 getattr(importlib.import_module(module), name).preload(data)
                 answer = "ok"
             except Exception as e:  # noqa: BLE001  reported to the caller, which compiles it at launch instead
-                answer = f"{type(e).__name__}: {e}".replace("\n", " ")[:500]
-            answers.write(answer + "\n")
+                answer = f"{type(e).__name__}: {e}"[:500]
+            answers.write(json.dumps(answer) + "\n")  # one line whatever the message holds
             answers.flush()
 
 
@@ -159,7 +175,9 @@ def _main(fds: list[int], modules: list[str]) -> None:
         except Exception:  # noqa: BLE001  each variant importing it again reports the error
             pass
     pairs = list(zip(fds[::2], fds[1::2]))
-    os.nice(10)  # the caller's model load comes first: beside 16 workers at the same priority it took 10-20 s
+    # The caller's model load comes first: beside 16 workers at the same priority it took 10-20 s. The import
+    # above ran at the caller's priority: the workers must be ready when the dry run ends.
+    os.nice(10)
     for pair in pairs:
         if os.fork() == 0:
             for fd in fds:

@@ -156,7 +156,8 @@ def factors_on(policies: list[Policy], device: torch.device) -> list[dict]:
     """Each policy's factors {(layer, proj): (A, B)} on `device`, through one pinned buffer and one copy per
     policy and dtype: W1's 8 policies (780 MB in fp32) took 0.5 s by pageable copies idle and 4-12 s while the
     compiling children and the model's first hash loaded the CPU, and a copy per factor waited for the GPU 3,136
-    times."""
+    times. They stay on the device, in their own dtype, until the caller drops them (the engine: after the
+    attach), beside the stacks built from them."""
     if device.type == "cpu":
         return [p.lora.factors for p in policies]
     out = []

@@ -247,6 +247,10 @@ def _compile_after_load(decoder: Decoder, heads: list[list[int]], settings: Engi
         if compilers is not None:
             compilers.kill()
         return None
+    except BaseException:  # Ctrl-C, SIGTERM: the compiling processes end with the run
+        if compilers is not None:
+            compilers.kill()
+        raise
 
 
 def _ops(gpu: bool):

@@ -57,6 +57,12 @@ def test_children_beyond_the_variants_are_ended_before_compiling(fake):
     extra = given.workers[1:]
     job = _job(["only"], "run-d", given)
     assert len(given.workers) == 1 and all(w.stdin.closed for w in extra)
+    children = Path(f"/proc/{given.process.pid}/task/{given.process.pid}/children")
+    if children.exists():  # Linux: the forked workers beyond the first have ended
+        deadline = time.monotonic() + 60
+        while len(children.read_text().split()) != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(children.read_text().split()) == 1
     assert job.wait().compiled == 1
 
 
