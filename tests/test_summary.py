@@ -25,4 +25,4 @@ def test_summary_splits_the_run_time(tmp_path):
     whole, *parts = map(float, m.groups())
     assert all(p >= 0 for p in parts) and parts[1] > 0 and parts[3] > 0  # writing 5 rows may print 0.00
     assert parts[2] == 0  # the CPU path compiles nothing
-    assert abs(sum(parts) - whole) <= 0.02  # each printed to 0.01 s
+    assert abs(sum(parts) - whole) <= 0.035 + 1e-9  # seven figures each rounded to 0.01 s: 0.005 off at most
