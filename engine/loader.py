@@ -153,11 +153,10 @@ def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tu
 
 
 def factors_on(policies: list[Policy], device: torch.device) -> list[dict]:
-    """Each policy's factors {(layer, proj): (A, B)} on `device`, through one pinned buffer and one copy per
-    policy and dtype: W1's 8 policies (780 MB in fp32) took 0.5 s by pageable copies idle and 4-12 s while the
-    compiling children and the model's first hash loaded the CPU, and a copy per factor waited for the GPU 3,136
-    times. They stay on the device, in their own dtype, until the caller drops them (the engine: after the
-    attach), beside the stacks built from them."""
+    """Each policy's factors {(layer, proj): (A, B)} on `device`, through one copy per policy and dtype: a copy
+    per factor (W1: 3,136) waited for the GPU each time, 3.8-4.6 s beside the compiling workers' start; now
+    W1's 780 MB (fp32) take 0.5 s idle, 2.1 s beside them (a pinned buffer took as long). They stay on the
+    device, in their own dtype, until the caller drops them (the engine: after the attach)."""
     if device.type == "cpu":
         return [p.lora.factors for p in policies]
     out = []
@@ -166,10 +165,7 @@ def factors_on(policies: list[Policy], device: torch.device) -> list[dict]:
         moved: dict[int, torch.Tensor] = {}
         for dtype in {t.dtype for t in flat}:
             same = [i for i, t in enumerate(flat) if t.dtype == dtype]
-            staged = torch.empty(sum(flat[i].numel() for i in same), dtype=dtype, pin_memory=True)
-            torch.cat([flat[i].reshape(-1) for i in same], out=staged)
-            # the caching host allocator keeps `staged` from reuse until this copy is done
-            parts = staged.to(device, non_blocking=True).split([flat[i].numel() for i in same])
+            parts = torch.cat([flat[i].reshape(-1) for i in same]).to(device).split([flat[i].numel() for i in same])
             moved.update({i: part.view(flat[i].shape) for i, part in zip(same, parts)})
         out.append({key: (moved[2 * n], moved[2 * n + 1]) for n, key in enumerate(p.lora.factors)})
     return out

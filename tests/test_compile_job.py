@@ -124,3 +124,16 @@ def test_the_slowest_kernels_are_handed_out_first(fake, monkeypatch):
     job.cancel()
     assert [v.data for v in job.todo] == ["d2", "d4", "d1", "d0", "d3"]  # the rest keep the dry run's order
     job.wait()
+
+
+def test_ctrl_c_in_the_compile_after_the_load_ends_the_workers(fake, monkeypatch):
+    from policyscan.engine import runner
+    from policyscan.engine.runner import EngineSettings
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(runner, "compile_ahead", interrupted)
+    given = Compilers(2, ("fake_kernels",))
+    with pytest.raises(KeyboardInterrupt):
+        runner._compile_after_load(["k0"], [], EngineSettings(), "run-i", given)
+    assert given.workers == [] and given.process.returncode is not None
