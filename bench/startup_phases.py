@@ -73,8 +73,8 @@ def main() -> None:
         steps(runner, name)
     steps(ca, "_dry_run")
     steps(ca.CompileJob, "wait")
-    summed(runner, "factors_on")  # the engine's, before a fresh run's shaped decoder
-    summed(loader, "factors_on")  # attach_policies' own, on a warm run
+    summed(runner, "factors_on")  # the shaped decoder's (factors of 1), before a fresh run's dry run
+    summed(loader, "factors_on")  # attach_policies' own: the real decoder's
     summed(loader, "_stack")
     summed(layers.DenseLoraLinear, "set_lora")
     cp.json = _Handing

@@ -131,8 +131,8 @@ def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tu
     """Stack every policy's LoRA per projection group and set the head vectors W[Violation] - W[Compliant].
 
     Ranks are padded to the largest per projection; a policy without a projection gets zero rows there.
-    Adapter index i is policies[i]. factors: factors_on(policies, decoder.device), when the caller has them
-    (the engine attaches them to a shaped decoder first)."""
+    Adapter index i is policies[i]. factors: factors_on(policies, decoder.device, ...) when the caller gives
+    them (a shaped decoder's, without values), else the policies' own, moved to the device here."""
     cfg = decoder.cfg
     if len({p.name for p in policies}) != len(policies):
         raise PolicyError(f"two policies share a name: {[p.name for p in policies]}")
@@ -152,12 +152,15 @@ def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tu
             lin.set_lora(_stack(cfg, i, projs, policies, factors, decoder.dtype, decoder.device))
 
 
-def factors_on(policies: list[Policy], device: torch.device) -> list[dict]:
+def factors_on(policies: list[Policy], device: torch.device, values: bool = True) -> list[dict]:
     """Each policy's factors {(layer, proj): (A, B)} on `device`, through one copy per policy and dtype: a copy
     per factor (W1: 3,136) waited for the GPU each time, 3.8-4.6 s beside the compiling workers' start; now
-    W1's 780 MB (fp32) take 0.5 s idle, 2.1 s beside them (a pinned buffer took as long). They stay on the
-    device, in their own dtype, until the caller drops them (the engine: after the attach)."""
-    if device.type == "cpu":
+    W1's 780 MB (fp32) take 0.5 s idle, 2.1 s beside them (a pinned buffer took as long).
+
+    values False: the same shapes and dtypes, every element 1, copying nothing: a shaped decoder's stacks (the
+    compile-ahead dry run's), whose rank spans follow which blocks of B the stacking leaves zero; a trained B
+    has no zero block of its own (one that has only costs a variant compiled at launch)."""
+    if device.type == "cpu" and values:
         return [p.lora.factors for p in policies]
     out = []
     for p in policies:
@@ -165,8 +168,10 @@ def factors_on(policies: list[Policy], device: torch.device) -> list[dict]:
         moved: dict[int, torch.Tensor] = {}
         for dtype in {t.dtype for t in flat}:
             same = [i for i, t in enumerate(flat) if t.dtype == dtype]
-            parts = torch.cat([flat[i].reshape(-1) for i in same]).to(device).split([flat[i].numel() for i in same])
-            moved.update({i: part.view(flat[i].shape) for i, part in zip(same, parts)})
+            sizes = [flat[i].numel() for i in same]
+            whole = torch.cat([flat[i].reshape(-1) for i in same]).to(device) if values else \
+                torch.ones(sum(sizes), dtype=dtype, device=device)
+            moved.update({i: part.view(flat[i].shape) for i, part in zip(same, whole.split(sizes))})
         out.append({key: (moved[2 * n], moved[2 * n + 1]) for n, key in enumerate(p.lora.factors)})
     return out
 

@@ -106,19 +106,17 @@ class Engine:
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
         heads = [b.head for b in self.builders] if settings.prefix_cache else []
         self.compile: CompileReport | None = None
-        ahead, job, compilers, factors = gpu and settings.compile_ahead, None, None, None
+        ahead, job, compilers = gpu and settings.compile_ahead, None, None
         if ahead:
             run_id = variants_id(self.checkpoint.config, self.precision.record(), heads, settings.batch_tokens,
                                  settings.cuda_graphs, [p.adapter_sha256 for p in policies], str(self.device))
             compilers = start_compilers(run_id)
         try:
             if compilers is not None:  # not compiled here before: the kernels compile while the weights load
-                factors = factors_on(policies, self.device)  # the shaped decoder's and the real one's
                 job = _compile_on_shapes(self.checkpoint, self.precision, self.device, policies, label_ids, heads,
-                                         settings, run_id, compilers, factors)
+                                         settings, run_id, compilers)
             self.decoder = load_decoder(self.checkpoint, _ops(gpu), self.precision, self.device)
-            attach_policies(self.decoder, policies, label_ids, factors)
-            del factors
+            attach_policies(self.decoder, policies, label_ids)
         except BaseException:
             if job is not None:
                 job.cancel()
@@ -222,13 +220,14 @@ def _check_offsets(cfg: ModelConfig, batch_tokens: int) -> None:
 
 def _compile_on_shapes(ckpt: Checkpoint, precision: Precision, device: torch.device, policies: list[Policy],
                        label_ids: list[tuple[int, int]], heads: list[list[int]], settings: EngineSettings,
-                       run_id: str, compilers: Compilers, factors: list[dict]) -> CompileJob | None:
-    """compile_ahead's dry run on a decoder of the model's shapes (weights unread), its variants compiling in the
+                       run_id: str, compilers: Compilers) -> CompileJob | None:
+    """compile_ahead's dry run on a decoder of the model's shapes (weights unread, LoRA factors all 1: W1's copy
+    of its factors took 2.1 s of the fresh run before the dry run could start), its variants compiling in the
     background while the weights load (the fresh W1 run compiled for 12.6 s after its load instead). None if that
     decoder cannot be built: the dry run then follows the load, with the same children."""
     try:
         shaped = shaped_decoder(ckpt, _ops(True), precision, device)
-        attach_policies(shaped, policies, label_ids, factors)
+        attach_policies(shaped, policies, label_ids, factors_on(policies, device, values=False))
         return compile_ahead(shaped, heads, settings.batch_tokens, settings.cuda_graphs, run_id, compilers)
     except Exception:  # noqa: BLE001  only when kernels compile changes: the real load reports what is wrong
         return None

@@ -103,8 +103,7 @@ def test_the_engine_never_fails_for_compile_ahead_and_keeps_its_children_for_the
         raise RuntimeError("cannot build it")
     monkeypatch.setattr(runner, "shaped_decoder", no_shapes)
     given = Compilers(2, ("fake_kernels",))
-    assert runner._compile_on_shapes(None, None, None, [], [], [], EngineSettings(), "run-f", given,
-                                     []) is None
+    assert runner._compile_on_shapes(None, None, None, [], [], [], EngineSettings(), "run-f", given) is None
     assert len(given.workers) == 2 and given.process.poll() is None
     report = runner._compile_after_load(["f0"], [], EngineSettings("cpu"), "run-f", given)
     assert report.compiled == 1 and given.workers == []

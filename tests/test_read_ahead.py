@@ -145,3 +145,38 @@ def test_the_shaped_decoder_has_the_loaded_ones_shapes_dtypes_and_strides(tmp_pa
     for k in real:
         assert (real[k].shape, real[k].dtype, real[k].stride()) == (shaped[k].shape, shaped[k].dtype,
                                                                     shaped[k].stride()), k
+
+
+@pytest.mark.parametrize("specs", ["mixed", "wide"])
+def test_the_shaped_decoders_lora_stacks_decide_the_same_variants(tmp_path, specs):
+    """The dry run's decoder gets its LoRA stacks from factors of 1 (factors_on(values=False)): every stack's
+    shape, dtype and stride and every rank span (which picks the GEMM's expand width) are the real ones'."""
+    from hf_fixtures import WIDE_SPECS, make_bundle
+    from policyscan.engine.loader import attach_policies, factors_on, load_decoder, shaped_decoder
+    from policyscan.engine.policy import load_policies
+    from policyscan.engine.precision import Precision
+    from policyscan.kernels import reference
+
+    # q, k and v 256, 128 and 128 wide: their rank blocks fall in separate 128-column blocks of the qkv stack
+    dirs = make_bundle(tmp_path, "llama", specs=WIDE_SPECS if specs == "wide" else None, hidden_size=256,
+                       intermediate_size=300, num_attention_heads=16, num_key_value_heads=8)
+    ck, pols, prec = Checkpoint.open(tmp_path / "model"), load_policies(dirs), Precision(torch.float32)
+    labels = [(3, 7)] * len(pols)
+    real = load_decoder(ck, reference, prec, "cpu")
+    attach_policies(real, pols, labels)
+    shaped = shaped_decoder(ck, reference, prec, torch.device("cpu"))
+    attach_policies(shaped, pols, labels, factors_on(pols, torch.device("cpu"), values=False))
+    spans = 0
+    for lr, ls in zip(real.layers, shaped.layers):
+        for group in ("qkv", "o", "gate_up", "down"):
+            a, b = getattr(lr, group), getattr(ls, group)
+            assert (a.lora is None) == (b.lora is None), group
+            if a.lora is not None:
+                for x, y in ((a.lora.A, b.lora.A), (a.lora.B, b.lora.B)):
+                    assert (x.shape, x.dtype, x.stride()) == (y.shape, y.dtype, y.stride()), group
+            assert (a.spans is None) == (b.spans is None), group
+            if a.spans is not None:
+                assert torch.equal(a.spans.start, b.spans.start) and (a.spans.width, a.spans.cols) == (
+                    b.spans.width, b.spans.cols), group
+                spans += 1
+    assert spans > 0  # block-diagonal stacks narrow some expands here: the spans were compared, not only None
