@@ -158,8 +158,9 @@ def factors_on(policies: list[Policy], device: torch.device, values: bool = True
     W1's 780 MB (fp32) take 0.5 s idle, 2.1 s beside them (a pinned buffer took as long).
 
     values False: the same shapes and dtypes, every element 1, copying nothing: a shaped decoder's stacks (the
-    compile-ahead dry run's), whose rank spans follow which blocks of B the stacking leaves zero; a trained B
-    has no zero block of its own (one that has only costs a variant compiled at launch)."""
+    compile-ahead dry run's), whose rank spans follow which blocks of B the stacking leaves zero. Only B zero
+    over a span's edge ranks in every policy (adapters saved untrained, say) could narrow the real spans: that
+    only leaves a variant to compile at its first launch."""
     if device.type == "cpu" and values:
         return [p.lora.factors for p in policies]
     out = []

@@ -1,5 +1,5 @@
 """Kernels compile ahead, in parallel, at load (engine/compile_ahead.py): on a fresh Triton cache every variant
-the run launches was compiled by the pool, a second process compiles nothing, and f is bitwise what a run that
+the run launches was compiled by the pool from a dry run on the shaped decoder (not the fallback after the load), a second process compiles nothing, and f is bitwise what a run that
 compiles each kernel at its first launch gives. Fresh processes, since Triton keeps compiled kernels in memory."""
 from __future__ import annotations
 
@@ -20,9 +20,12 @@ from pathlib import Path
 import numpy as np, triton
 from policyscan.engine.compile_ahead import Variant, _marker_dir
 from policyscan.engine.policy import load_policies
+from policyscan.engine import runner
 from policyscan.engine.runner import Engine, EngineSettings
 
 model, policies, ahead = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+after_load, dry_run_after = [], runner._compile_after_load  # the fallback, when the shaped decoder failed
+runner._compile_after_load = lambda *args: after_load.append(1) or dry_run_after(*args)
 engine = Engine(model, load_policies([Path(policies)]),
                 EngineSettings(device="cuda", batch_tokens=8192, compile_ahead=ahead))
 misses = []
@@ -39,7 +42,8 @@ f = []
 for n, lo, hi in ((20, 5, 60), (15, 200, 600)):  # batches for CUDA graphs, then eager ones of over 4096 tokens
     convs = [rng.integers(3, 1000, int(rng.integers(lo, hi))) for _ in range(n)]
     f += engine.score_conversations(convs)[0].ravel().tolist()  # the CLI's path: policies' heads cached
-print(json.dumps({"report": asdict(engine.compile) if engine.compile else None, "misses": misses, "f": f}))
+print(json.dumps({"report": asdict(engine.compile) if engine.compile else None, "misses": misses, "f": f,
+                  "after_load": len(after_load)}))
 """
 
 
@@ -57,6 +61,7 @@ def test_compile_ahead_covers_the_run_and_keeps_the_bits(tmp_path):
     print("fresh cache:", rep)
     assert rep["compiled"] > 0 and rep["failed"] == 0 and rep["compiled"] == rep["variants"]
     assert first["misses"] == [], "variants the dry run missed:\n" + "\n".join(first["misses"])
+    assert first["after_load"] == 0  # the dry run ran on the shaped decoder, before the load
     again = run(tmp_path / "cache", ahead=True)
     assert again["report"]["compiled"] == 0 and again["report"]["variants"] == rep["variants"]
     assert again["f"] == first["f"]
