@@ -25,6 +25,7 @@ import policyscan.engine.runner as runner  # noqa: E402
 EVENTS: list[tuple[float, str]] = []
 INSIDE: dict[str, float] = collections.defaultdict(float)
 HANDED: dict[str, list[float]] = collections.defaultdict(list)
+COMPILED: list[tuple[tuple[str, str, str], float]] = []  # (variant, its compile seconds) as the workers answered
 
 
 def _now() -> float:
@@ -67,6 +68,30 @@ class _Handing:
         return json.dumps(v)
 
 
+def record_compiles() -> None:
+    """Keep each variant's compile seconds (Compilers.seconds) for the table at the end."""
+    fn = cp.Compilers.compile
+
+    def compile(self, variants):
+        try:
+            return fn(self, variants)
+        finally:
+            COMPILED.extend(zip(variants, self.seconds))
+    cp.Compilers.compile = compile
+
+
+def compile_table() -> None:
+    """Per kernel: variants, compile seconds summed and slowest; then each variant's specialization key."""
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for (_, name, _), t in COMPILED:
+        by_name[name].append(t)
+    print("| kernel | variants | seconds summed | slowest |\n|---|---|---|---|")
+    for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {name} | {len(ts)} | {sum(ts):.1f} | {max(ts):.2f} |")
+    for (_, name, data), t in sorted(COMPILED, key=lambda c: c[0][1]):
+        print(f"{name} {t:.2f} s {json.loads(data).get('key', '')}")
+
+
 def main() -> None:
     for name in ("start_compilers", "_compile_on_shapes", "shaped_decoder", "attach_policies", "load_decoder",
                  "_compile_after_load"):
@@ -78,6 +103,7 @@ def main() -> None:
     summed(loader, "_stack")
     summed(layers.DenseLoraLinear, "set_lora")
     cp.json = _Handing
+    record_compiles()
     sys.argv = ["policyscan", *sys.argv[1:]]
     try:
         cli.main()
@@ -90,6 +116,8 @@ def main() -> None:
     if firsts:
         print(f"{len(HANDED)} workers: first answers at {firsts[0]:.2f}-{firsts[-1]:.2f} s, "
               f"last variant handed at {max(t[-1] for t in HANDED.values()):.2f} s")
+    if COMPILED:
+        compile_table()
 
 
 if __name__ == "__main__":

@@ -36,10 +36,10 @@ from policyscan.engine.model import Decoder
 
 KERNEL_MODULES = ("policyscan.kernels.triton_ops",)  # what a compiling child imports ahead: every kernel's module
 MAX_WORKERS = 16  # compiling children at most (and no more than the CPUs)
-# Seconds a variant took to compile on the H200 machine, on average per kernel (bench/compile_times.py, W1): the
-# slowest go first, so that the last to start is short (W1's queue: 7.5 s in the dry run's order, 6.4 s so)
-COMPILE_SECONDS = {"_lora_gemm_ws_kernel": 4.2, "_lora_gemm_tma_kernel": 1.5, "_prologue_kernel": 1.5,
-                   "_lora_gemm_kernel": 1.3, "_attn_kernel": 1.1}
+# Seconds a variant took to compile on the H200 machine, on average per kernel (bench/startup_phases.py, W1 fresh,
+# 16 workers beside the load): the slowest go first, so that the last to start is short
+COMPILE_SECONDS = {"_lora_gemm_ws_kernel": 5.7, "_prologue_kernel": 3.5, "_lora_gemm_tma_kernel": 2.9,
+                   "_prologue_ws_kernel": 0.9, "_lora_gemm_kernel": 0.9, "_attn_kernel": 0.85}
 _LOCK = threading.Lock()  # one dry run at a time: each patches Triton for the whole process
 _LOCAL = threading.local()  # .on: this thread is in a dry run (other threads' launches run as usual)
 
@@ -72,16 +72,15 @@ class CompileReport:
 
 
 def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
-    """(tokens, sequences) of the dry run's batches. Triton specializes integer arguments on divisibility by 16,
-    and the GEMM's kernel and tiles follow its rows (kernels/tuning.py: <= 256, <= 2048 with N-dependent tiles,
-    the Gluon kernel from 1025): a batch's tokens in each class and both parities, and since the last layer runs
-    its sequences' last tokens only, its sequences too. Eager batches are those over the CUDA graphs' range; the
-    graphs' buckets (tokens, and 8 or 16+ sequence slots) each once."""
+    """(tokens, sequences) of the dry run's batches. The kernels leave row and sequence counts unspecialized
+    (do_not_specialize), so a variant follows the launch knobs (kernels/tuning.py): the GEMM's kernel and tiles
+    follow its rows (<= 256, <= 2048 with tiles that depend on N, the Gluon kernel from 1025), so one batch's tokens
+    in each class, and since the last layer runs its sequences' last tokens only, its sequences too. Eager batches
+    are those over the CUDA graphs' range; the graphs' buckets (tokens, and 8 or 16+ sequence slots) each once."""
     low = GraphedForward.MAX_TOKENS + 16 if graphs else 16
-    sizes = [m + d for m in (64, 512, 1040, 2112, low) for d in (0, 1) if low <= m <= batch_tokens - 1]
-    seqs = [1] + [b + d for b in (64, 320, 512, 704, 1040, 2112) for d in (0, 1)]  # 1: Triton specializes it too
-    eager = [(t, b) for t in sorted(set(sizes)) for b in (64, 63) if b <= t]
-    eager += [(max(sizes), b) for b in seqs if b <= max(sizes)] if sizes else []
+    sizes = sorted({m for m in (64, 512, 1040, 2112, low) if low <= m <= batch_tokens - 1})
+    seqs = (64, 320, 512, 704, 1040, 2112)
+    eager = [(t, 64) for t in sizes if t >= 64] + ([(sizes[-1], b) for b in seqs if b <= sizes[-1]] if sizes else [])
     eager = list(dict.fromkeys(eager))
     if not graphs:
         return eager

@@ -76,7 +76,8 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
     return acc, m_new, l_i
 
 
-@triton.jit
+# batch-sized ints unspecialized: one variant for any batch (W1: 32 to compile fresh, not 71)
+@triton.jit(do_not_specialize=["B", "stride_am"])
 def _attn_kernel(
     qkv_ptr, o_ptr, cu_ptr, blk_seq_ptr, cu_blk_ptr, pre_ptr, pre_start_ptr, pre_len_ptr, amax_ptr,
     scale, window, B, stride_t, stride_ot, stride_pre, K_COL, V_COL, stride_am, cap,

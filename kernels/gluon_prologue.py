@@ -185,7 +185,8 @@ def _compute(args, flags):
     tma.store_wait(0)
 
 
-@gluon.jit
+# batch-sized ints unspecialized: one variant for any batch (W1: 32 to compile fresh, not 71)
+@gluon.jit(do_not_specialize=["M", "stride_ap"])
 def _prologue_ws_kernel(x_desc, a_desc, h_desc, nw_ptr, ad_ptr, amax_ptr, hs_ptr, s_ptr, M, K, R, P, eps,
                         stride_ap, stride_sm, NORM: gl.constexpr, HAS_LORA: gl.constexpr, NUM_PROGS: gl.constexpr,
                         SUB: gl.constexpr, STAGES: gl.constexpr, BP: gl.constexpr):

@@ -104,7 +104,8 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         tl.store(amax_ptr + pid_n * M + rm, tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1), mask=m_ok)
 
 
-@triton.jit
+# batch-sized ints unspecialized: one variant for any batch (W1: 32 to compile fresh, not 71)
+@triton.jit(do_not_specialize=["M"])
 def _lora_gemm_kernel(
     x_ptr, w_ptr, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr, amax_w_ptr,
     M, N, K, R,
@@ -134,7 +135,8 @@ def _lora_gemm_kernel(
               HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, AMAX, AMAX_W, BM, BN, BR, PREC)
 
 
-@triton.jit
+# batch-sized ints unspecialized: one variant for any batch (W1: 32 to compile fresh, not 71)
+@triton.jit(do_not_specialize=["M"])
 def _lora_gemm_tma_kernel(
     x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, res_ptr, amax_ptr, amax_w_ptr,
     M, N, K, R,

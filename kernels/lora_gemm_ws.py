@@ -189,7 +189,8 @@ def _consume_odd(args, flags):
     _consume(args, flags, 1)
 
 
-@gluon.jit
+# batch-sized ints unspecialized: one variant for any batch (W1: 32 to compile fresh, not 71)
+@gluon.jit(do_not_specialize=["M"])
 def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr, bias_ptr, amax_ptr,
                          amax_w_ptr, span_ptr, pos_ptr, cs_ptr, rope_cols, M, N, K, R, stride_sm,
                          stride_bn_a, stride_bn, HAS_LORA: gl.constexpr, HAS_SPAN: gl.constexpr,

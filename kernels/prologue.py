@@ -85,7 +85,8 @@ def _shrink_chunk(h, sacc, a_ptr, a_id, ad, rr, rk, R, K, stride_an, stride_ar, 
     return sacc + tl.where((ad == a_id)[:, None], part, 0.0)
 
 
-@triton.jit
+# batch-sized ints unspecialized: one variant for any batch (W1: 32 to compile fresh, not 71)
+@triton.jit(do_not_specialize=["M", "stride_ap"])
 def _prologue_kernel(
     x_ptr, nw_ptr, a_ptr, ad_ptr, h_ptr, hs_ptr, s_ptr, amax_ptr,
     M, K, R, P, eps,

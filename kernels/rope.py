@@ -19,7 +19,8 @@ from policyscan.kernels.reference import RopeCols
 from policyscan.kernels.tuning import rope_tiles
 
 
-@triton.jit
+# batch-sized ints unspecialized: one variant for any batch (W1: 32 to compile fresh, not 71)
+@triton.jit(do_not_specialize=["T"])
 def _rope_kernel(y_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, T, q_heads, stride_t, eps,
                  HALF: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, NORM: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
