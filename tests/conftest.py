@@ -26,6 +26,7 @@ def pytest_cmdline_main(config):
             or [a for a in config.args if Path(a).resolve() != Path(__file__).resolve().parent]):
         return
     config.option.numprocesses, config.option.dist = 2, "loadfile"
+    config.option.loadscopereorder = False  # LONGEST_FIRST's order, not xdist's (most tests first)
 
 
 def _has_cuda() -> bool:
@@ -59,7 +60,25 @@ def sample_slice(tmp_path_factory) -> dict[str, Path]:
     return {"parquet": parquet, "jsonl": jsonl, "labeled": labeled, "rows": SLICE_ROWS}
 
 
+# The files whose tests take longest on 2 cores, longest first (seconds summed idle, `--durations=0`, session 35):
+# each process takes the next file when it is free, so the two end together. xdist's own order (most tests first,
+# skipped GPU tests counted) handed out the Ray tests last, which then ran alone: 315 s beside a 2-thread job.
+LONGEST_FIRST = ("test_kernels.py",  # 36
+                 "test_engine_vs_hf.py",  # 32
+                 "test_ray.py",  # 30
+                 "test_determinism.py",  # 24
+                 "test_workers.py",  # 24
+                 "test_gemma2_granite.py",  # 21
+                 "test_real_model.py",  # 18
+                 "test_row_amax.py",  # 17
+                 "test_cli_failures.py",  # 14
+                 "test_calibration.py",  # 12
+                 "test_cli.py")  # 11
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the device)")
