@@ -1,7 +1,7 @@
 """Where a start-up's time goes (issue 35, docs/performance.md): `policyscan score ARGS` in this process with the
 engine's start-up steps timed from the process's start, the time spent inside the policies' attach summed per
-step, when each compiling worker answered its first variant, and each variant's compile seconds (per kernel, then
-one line a variant with Triton's specialization). Times count from this script's first line (the interpreter's own
+step, when each compiling worker answered its first variant, and each compiled variant's seconds from hand-out to
+answer (per kernel, then one line a variant with Triton's specialization). Times count from this script's first line (the interpreter's own
 start, about 0.05 s, comes before).
 
     TRITON_CACHE_DIR=/tmp/fresh python bench/startup_phases.py score IN -o OUT.parquet --model M --policies P \
@@ -27,7 +27,7 @@ import policyscan.engine.runner as runner  # noqa: E402
 EVENTS: list[tuple[float, str]] = []
 INSIDE: dict[str, float] = collections.defaultdict(float)
 HANDED: dict[str, list[float]] = collections.defaultdict(list)
-COMPILED: list[tuple[tuple[str, str, str], float]] = []  # (variant, its compile seconds) as the workers answered
+COMPILED: list[tuple[tuple[str, str, str], float]] = []  # (variant, hand-out to answer) of those that compiled
 
 
 def _now() -> float:
@@ -71,14 +71,13 @@ class _Handing:
 
 
 def record_compiles() -> None:
-    """Keep each variant's compile seconds (Compilers.seconds) for the table at the end."""
+    """Keep each compiled variant's seconds (Compilers.seconds) for the table at the end."""
     fn = cp.Compilers.compile
 
     def compile(self, variants):
-        try:
-            return fn(self, variants)
-        finally:
-            COMPILED.extend(zip(variants, self.seconds))
+        errors = fn(self, variants)
+        COMPILED.extend((v, t) for v, t, e in zip(variants, self.seconds, errors) if e is None)
+        return errors
     cp.Compilers.compile = compile
 
 

@@ -36,8 +36,8 @@ from policyscan.engine.model import Decoder
 
 KERNEL_MODULES = ("policyscan.kernels.triton_ops",)  # what a compiling child imports ahead: every kernel's module
 MAX_WORKERS = 16  # compiling children at most (and no more than the CPUs)
-# Seconds a variant took to compile on the H200 machine, on average per kernel (bench/startup_phases.py, W1 fresh,
-# 16 workers beside the load): the slowest go first, so that the last to start is short
+# Seconds from a variant's hand-out to its answer on the H200 machine, on average per kernel (bench/startup_phases.py,
+# W1 fresh, 16 workers beside the load): the slowest go first, so that the last to start is short
 COMPILE_SECONDS = {"_lora_gemm_ws_kernel": 5.7, "_prologue_kernel": 3.5, "_lora_gemm_tma_kernel": 2.9,
                    "_prologue_ws_kernel": 0.9, "_lora_gemm_kernel": 0.9, "_attn_kernel": 0.85}
 _LOCK = threading.Lock()  # one dry run at a time: each patches Triton for the whole process
@@ -74,8 +74,10 @@ class CompileReport:
 def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
     """(tokens, sequences) of the dry run's batches. The kernels leave row and sequence counts unspecialized
     (do_not_specialize), so a variant follows the launch knobs (kernels/tuning.py): the GEMM's kernel and tiles
-    follow its rows (<= 256, <= 2048 with tiles that depend on N, the Gluon kernel from 1025), so one batch's tokens
-    in each class, and since the last layer runs its sequences' last tokens only, its sequences too. Eager batches
+    follow its rows (<= 256, <= 2048 with tiles that depend on N, the Gluon kernel from 1025; the TMA kernel's
+    NUM_PROGS their count's next power of two), so one batch's tokens in each class, and since the last layer runs
+    its sequences' last tokens only, its sequences too. The sequence counts cover W1's widths; a width whose
+    classes fall between them compiles that variant at its first launch, as without compile_ahead. Eager batches
     are those over the CUDA graphs' range; the graphs' buckets (tokens, and 8 or 16+ sequence slots) each once."""
     low = GraphedForward.MAX_TOKENS + 16 if graphs else 16
     sizes = sorted({m for m in (64, 512, 1040, 2112, low) if low <= m <= batch_tokens - 1})

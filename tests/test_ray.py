@@ -32,6 +32,15 @@ def arm(tmp_path_factory):
     ray.shutdown()
 
 
+@pytest.fixture
+def armed(arm):
+    """The kill armed for one test, and disarmed after it whatever happened (a run failing before the kill would
+    leave it armed for the next test's actor)."""
+    arm.touch()
+    yield arm
+    arm.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def inputs(sample_slice, tmp_path_factory) -> list[Path]:
     """The sample slice as Parquet of 5 row groups (5 units: 5 batches), 12 JSONL lines with bad ones and
@@ -76,13 +85,12 @@ def _same_run(a: dict, b: dict) -> None:
 
 @pytest.mark.slow
 def test_score_on_ray_with_an_actor_killed_writes_the_local_outputs_bit_for_bit_and_skips_them_next_time(
-        arm, inputs, local, tmp_path):
+        armed, inputs, local, tmp_path):
     """The actor SIGKILLs itself at its second batch: Ray restarts it and runs the batch again, and no
     row is lost or doubled. One killed run, not a run of its own: an actor's start is most of a run's 10 s."""
     out = tmp_path  # as deep as `local`: the inputs' paths relative to the outputs are the same
-    arm.touch()
     res = run("score", *inputs, "-o", f"{out}/", *CPU, "--ray", ok=(3,))
-    assert not arm.exists()  # an actor was killed
+    assert not armed.exists()  # an actor was killed
     assert "rows in 58 = scored 56 + in errors 2 (balanced)" in res.output
     for name in ("logs.scores.parquet", "more.scores.parquet", "ints.scores.parquet"):
         assert pq.read_table(out / name).equals(pq.read_table(local / name)), name
