@@ -24,8 +24,8 @@ os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_times_")  # bef
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import prepare  # noqa: E402
 
-from policyscan.engine.compile_ahead import KERNEL_MODULES, _dry_run, shape_classes  # noqa: E402
-from policyscan.engine.compile_procs import Compilers  # noqa: E402
+from policyscan.engine.compile_ahead import _dry_run, shape_classes  # noqa: E402
+from policyscan.engine.compile_procs import KERNEL_MODULES, Compilers  # noqa: E402
 from policyscan.engine.policy import load_policies  # noqa: E402
 from policyscan.engine.runner import Engine, EngineSettings  # noqa: E402
 
@@ -71,7 +71,8 @@ def main() -> None:
     engine = Engine(root / "model", load_policies([root / "bundles"]), settings)
     heads = [b.head for b in engine.builders]
     t0 = time.perf_counter()
-    variants = _dry_run(engine.decoder, heads, shape_classes(settings.batch_tokens, settings.cuda_graphs))
+    variants = _dry_run(engine.decoder, heads, shape_classes(settings.batch_tokens, settings.cuda_graphs),
+                        lambda v: None)
     print(f"dry run: {len(variants)} variants in {time.perf_counter() - t0:.2f} s", flush=True)
     modules = sorted({v.module for v in variants})
     many = import_seconds(modules, args.workers)

@@ -4,9 +4,12 @@ from __future__ import annotations
 import signal
 import sys
 
-from policyscan.engine.worker_start import prestart
+from policyscan.engine import compile_start, worker_start
 
-prestart(sys.argv[1:])  # before the imports below (torch): workers fork from a server importing in parallel
+# before the imports below (torch): workers fork from a server importing in parallel, and on a fresh machine the
+# kernels' compiling workers import beside them too
+worker_start.prestart(sys.argv[1:])
+compile_start.prestart(sys.argv[1:])
 
 import click  # noqa: E402
 

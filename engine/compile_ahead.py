@@ -5,10 +5,11 @@ batches: on a fresh machine W1 spent 28 s more than a warm run compiling, and an
 small-batch variants again. Here a dry run of the decoder (the prefixes' prefill, one eager batch per
 specialization class, each CUDA-graph bucket) launches nothing: every Triton launch runs as a warm-up, and
 Triton's jit_cache_hook records each variant this process has not loaded yet and skips its compile. A run not
-compiled before starts child processes first (start_compilers), dry-runs a decoder of the model's shapes with its
-weights unread (loader.shaped_decoder: shapes, dtypes and strides decide the variants, values do not), and the
-children compile the variants into Triton's disk cache (engine/compile_procs.py) while the weights load
-(CompileJob); the real batches then load the kernels from disk. Anything failing on the way (no child
+compiled before starts child processes first (start_compilers; on a fresh machine the command line started them,
+engine/compile_start.py), dry-runs a decoder of the model's shapes with its weights unread (loader.shaped_decoder:
+shapes, dtypes and strides decide the variants, values do not), handing each variant to the children as it meets
+it, and the children compile them into Triton's disk cache (engine/compile_procs.py) during the dry run and while
+the weights load (CompileJob); the real batches then load the kernels from disk. Anything failing on the way (no child
 process, a read-only cache) only leaves those kernels to compile at launch. The dry run computes nothing that
 is kept, and a variant it missed compiles when first launched, as before: what a run computes does not change,
 only when kernels compile.
@@ -19,25 +20,27 @@ skips the dry run too (1.6 s at W1); wiping Triton's cache wipes both with it.""
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from policyscan.engine.compile_procs import Compilers, usable_cpus
+from policyscan.engine import compile_start
+from policyscan.engine.compile_procs import KERNEL_MODULES, MAX_WORKERS, Compilers, usable_cpus
 from policyscan.engine.files import in_background
 from policyscan.engine.graphs import GraphedForward, static_batch
 from policyscan.engine.model import Decoder
 
 
-KERNEL_MODULES = ("policyscan.kernels.triton_ops",)  # what a compiling child imports ahead: every kernel's module
-MAX_WORKERS = 16  # compiling children at most (and no more than the CPUs)
 # Seconds from a variant's hand-out to its answer on the H200 machine, on average per kernel (bench/startup_phases.py,
-# W1 fresh, 16 workers beside the load): the slowest go first, so that the last to start is short
+# W1 fresh, 16 workers beside the load): of the variants waiting for a worker, the slowest go first
 COMPILE_SECONDS = {"_lora_gemm_ws_kernel": 5.7, "_prologue_kernel": 3.5, "_lora_gemm_tma_kernel": 2.9,
                    "_prologue_ws_kernel": 0.9, "_lora_gemm_kernel": 0.9, "_attn_kernel": 0.85}
 _LOCK = threading.Lock()  # one dry run at a time: each patches Triton for the whole process
@@ -94,52 +97,83 @@ def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
 
 
 def start_compilers(run_id: str) -> Compilers | None:
-    """Before the model loads: None when the run's variants all compiled before (a warm machine), else child
-    processes started now, so that their import of torch, Triton and the kernels runs beside the load."""
-    return None if _compiled_before(run_id) else Compilers(min(MAX_WORKERS, usable_cpus()), KERNEL_MODULES)
+    """Before the model loads: None when the run's variants all compiled before (a warm machine), else the
+    compiling workers the command line started (engine/compile_start.py) or workers started now, so that their
+    import of torch, Triton and the kernels runs beside the load."""
+    early = compile_start.take()
+    if _compiled_before(run_id):
+        if early is not None:
+            early.kill()
+        return None
+    return early or Compilers(min(MAX_WORKERS, usable_cpus()), KERNEL_MODULES)
 
 
 class CompileJob:
-    """compile_ahead's compiling, under way in the background; wait() gives the report."""
+    """compile_ahead's compiling, under way in the background while the dry run streams variants to it (offer,
+    then finish); wait() gives the report."""
 
-    def __init__(self, run_id: str, variants: list[Variant] | None, todo: list[Variant],
-                 compilers: Compilers | None, started: float, cached: int = 0):
-        """variants None: nothing to compile, `cached` variants compiled before (or none known: no dry run)."""
-        self.run_id, self.variants, self.todo, self.compilers, self.cached = run_id, variants, todo, compilers, cached
-        self.dry_run = time.perf_counter() - started  # spent before the job went to the background
-        self.workers = min(len(todo), len(compilers.workers)) if compilers and todo else 0
-        self.errors = in_background(lambda: compilers.compile([(v.module, v.name, v.data) for v in todo])
-                                    if todo else [], "policyscan-compile")
+    def __init__(self, run_id: str, compilers: Compilers | None, started: float, cached: int = 0):
+        """compilers None: nothing to compile, `cached` variants compiled before."""
+        self.run_id, self.compilers, self.cached, self.started = run_id, compilers, cached, started
+        self.variants: list[Variant] | None = None  # the dry run's, when it ended well
+        self.met = 0  # variants the dry run met so far, compiled here before or not
+        self.todo: list[Variant] = []  # those handed to the compilers, in the order met
+        self.dry_run = 0.0  # seconds spent before the job went to the background
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order: list[int] = []  # todo's indices in the order the workers took them
+        self.errors = in_background(lambda: compilers.compile(self._handed()), "policyscan-compile") \
+            if compilers is not None else None
+
+    def offer(self, v: Variant) -> None:
+        """A variant the dry run met: compiled by the next free worker (the slowest kernels first of those
+        waiting) unless a marker says it compiled here before."""
+        self.met += 1
+        if self.compilers is not None and not _marked(v):
+            self.todo.append(v)
+            self._queue.put((-COMPILE_SECONDS.get(v.name, 0.0), len(self.todo) - 1))
+
+    def finish(self, variants: list[Variant] | None) -> None:
+        """The dry run's end: its variants, or None when it failed (those offered still compile; no manifest)."""
+        self.variants, self.dry_run = variants, time.perf_counter() - self.started
+        self._queue.put((math.inf, -1))
+        if not self.todo and self.compilers is not None:  # nothing to compile: the children would only compete
+            self.compilers.kill()  # with the load
+
+    def _handed(self) -> Iterator[tuple[str, str, str]]:
+        while (i := self._queue.get()[1]) >= 0:
+            self._order.append(i)
+            v = self.todo[i]
+            yield v.module, v.name, v.data
 
     def wait(self) -> CompileReport:
         """The compiling's end (the children closed), the markers and the manifest written; the report's seconds:
         the dry run and this wait, the part not hidden behind the load."""
         t0 = time.perf_counter()
+        if self.errors is None:
+            return CompileReport(self.cached, 0, 0, 0, self.dry_run + time.perf_counter() - t0)
         try:
             errors = self.errors.result()
         except Exception as e:  # noqa: BLE001  (no thread to feed them, say): they compile when launched
-            errors = [f"not compiled: {e}"] * len(self.todo)
+            errors = [f"not compiled: {e}"] * len(self._order)
         except BaseException:  # Ctrl-C, SIGTERM: no waiting for the variants under way
             self.cancel()
             raise
-        if self.compilers is not None:
-            self.compilers.close()
+        workers = min(len(self.todo), len(self.compilers.workers))
+        self.compilers.close()
         seconds = self.dry_run + time.perf_counter() - t0
-        if self.variants is None:
-            return CompileReport(self.cached, 0, 0, 0, seconds)
-        done = [v for v, err in zip(self.todo, errors) if err is None]
+        done = [self.todo[i] for i, err in zip(self._order, errors) if err is None]
         try:
             marks = _marker_dir()
             marks.mkdir(parents=True, exist_ok=True)
             for v in done:
                 (marks / v.key).touch()
-            if len(done) == len(self.todo):
+            if self.variants is not None and len(done) == len(self.todo):
                 tmp = marks / f"run-{self.run_id}.{os.getpid()}.tmp"
                 tmp.write_text("\n".join(v.key for v in self.variants))
                 os.replace(tmp, marks / f"run-{self.run_id}")
         except OSError:  # a read-only or foreign cache folder: the next run dry-runs again, nothing worse
             pass
-        return CompileReport(len(self.variants), len(done), len(self.todo) - len(done), self.workers, seconds)
+        return CompileReport(self.met, len(done), len(self.todo) - len(done), workers, seconds)
 
     def cancel(self) -> None:
         """Stop compiling (the run failed before it needed the kernels)."""
@@ -150,27 +184,25 @@ class CompileJob:
 def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, graphs: bool, run_id: str,
                   compilers: Compilers | None = None) -> CompileJob:
     """The dry run on `decoder` (its weights' shapes and dtypes are what count: loader.shaped_decoder's will do),
-    then child processes (`compilers`, from start_compilers, else started here) compile the variants no marker
-    covers in the background (see the module docstring): a CompileJob. run_id names everything that decides the
-    variants (model, precision, policies, settings, kernel sources: variants_id); a run whose id compiled before,
-    its every variant still marked, skips the dry run too."""
+    each variant no marker covers handed as the dry run meets it to child processes (`compilers`, from
+    start_compilers, else started here), which compile in the background (see the module docstring): a
+    CompileJob. run_id names everything that decides the variants (model, precision, policies, settings, kernel
+    sources: variants_id); a run whose id compiled before, its every variant still marked, skips the dry run too."""
     t0 = time.perf_counter()
     known = _compiled_before(run_id)
     if known is not None:
         if compilers is not None:
             compilers.kill()
-        return CompileJob(run_id, None, [], None, t0, cached=len(known))
+        return CompileJob(run_id, None, t0, cached=len(known))
+    job = CompileJob(run_id, compilers or Compilers(min(MAX_WORKERS, usable_cpus()), KERNEL_MODULES), t0)
+    variants = None
     try:
-        variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs))
+        variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs), job.offer)
     except Exception:  # noqa: BLE001  a Triton whose hooks differ: the kernels compile as launched, as before
-        variants = None
-    todo = [] if variants is None else sorted((v for v in variants if not _marked(v)),
-                                              key=lambda v: -COMPILE_SECONDS.get(v.name, 0.0))
-    if todo and compilers is None:
-        compilers = Compilers(min(len(todo), MAX_WORKERS, usable_cpus()), KERNEL_MODULES)
-    elif compilers is not None:  # children beyond the work (all of them, with none) would only import
-        compilers.keep(len(todo))
-    return CompileJob(run_id, variants, todo, compilers, t0)
+        pass
+    finally:
+        job.finish(variants)
+    return job
 
 
 def variants_id(*parts: object) -> str:
@@ -213,10 +245,13 @@ def _marker_dir() -> Path:
     return Path(triton.knobs.cache.dir) / "policyscan_variants"
 
 
-def _dry_run(decoder: Decoder, heads: list[list[int]], shapes: list[tuple[int, int]]) -> list[Variant] | None:
+def _dry_run(decoder: Decoder, heads: list[list[int]], shapes: list[tuple[int, int]],
+             offer: Callable[[Variant], None]) -> list[Variant] | None:
+    """Every variant the batches `shapes` launch, each offered as first met; None if one came without Triton's
+    serialized specialization (a Triton whose hook differs)."""
     seen: dict[str, Variant] = {}
     missing = []
-    with _record(seen, missing), torch.inference_mode():
+    with _record(seen, missing, offer), torch.inference_mode():
         prefix = decoder.prefill_prefixes(heads)
         for t, b in shapes:
             decoder.forward(static_batch(t, b, decoder.device), prefix)
@@ -225,7 +260,7 @@ def _dry_run(decoder: Decoder, heads: list[list[int]], shapes: list[tuple[int, i
 
 
 @contextmanager
-def _record(seen: dict[str, Variant], missing: list):
+def _record(seen: dict[str, Variant], missing: list, offer: Callable[[Variant], None]):
     """Every Triton launch of this thread in the block runs as a warm-up (nothing launches); each variant not
     loaded in this process is recorded and its compile skipped. Other threads launch and compile as usual."""
     import triton
@@ -242,7 +277,9 @@ def _record(seen: dict[str, Variant], missing: list):
                 missing.append(fn.name)
             else:
                 v = Variant(fn.module, fn.name, data, str(getattr(getattr(fn, "jit_function", None), "cache_key", "")))
-                seen.setdefault(v.key, v)
+                if v.key not in seen:
+                    seen[v.key] = v
+                    offer(v)
             return True  # skip: a child process compiles it
 
         def warmup_in_dry_run(self, *args, grid, warmup, **kwargs):

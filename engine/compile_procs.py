@@ -20,6 +20,11 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
+
+
+KERNEL_MODULES = ("policyscan.kernels.triton_ops",)  # what the compiling process imports ahead: every kernel's module
+MAX_WORKERS = 16  # compiling workers at most (and no more than the CPUs)
 
 
 def usable_cpus() -> int:
@@ -76,27 +81,36 @@ class Compilers:
             for fd in theirs:
                 os.close(fd)
 
-    def compile(self, variants: list[tuple[str, str, str]]) -> list[str | None]:
-        """(module, kernel name, Triton's serialized specialization) each, handed out in this order; per variant
-        None when it compiled, else why not."""
-        todo = deque(enumerate(variants))
-        results: list[str | None] = [self.error or "not compiled: no child process took it"] * len(variants)
-        self.seconds = [0.0] * len(variants)
+    def compile(self, variants: Iterable[tuple[str, str, str]]) -> list[str | None]:
+        """(module, kernel name, Triton's serialized specialization) each, handed out in the order `variants`
+        gives them: it may be a generator that blocks until the next is known (compile_ahead's dry run streams
+        them). Per variant, in that order: None when it compiled, else why not."""
+        source, again = iter(variants), deque()  # again: handed to a worker that had gone, for another
+        results: list[str | None] = []
+        self.seconds = []
         lock = threading.Lock()
 
+        def take() -> tuple[int, tuple[str, str, str]] | None:
+            with lock:  # the source may block: the other workers wait here, as they would for work anyway
+                if again:
+                    return again.popleft()
+                v = next(source, None)
+                if v is None:
+                    return None
+                results.append(self.error or "not compiled: no child process took it")
+                self.seconds.append(0.0)
+                return len(results) - 1, v
+
         def feed(worker: Worker) -> None:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    i, v = todo.popleft()
+            while (item := take()) is not None:
+                i, v = item
                 t = time.perf_counter()
                 try:
                     worker.stdin.write(json.dumps(v) + "\n")
                     worker.stdin.flush()
                 except (OSError, ValueError):  # the worker had gone before it got this variant: another takes it
                     with lock:
-                        todo.appendleft((i, v))
+                        again.appendleft(item)
                     return
                 try:
                     line = worker.stdout.readline()
@@ -111,11 +125,13 @@ class Compilers:
                 self.seconds[i] = time.perf_counter() - t
 
         threads = [threading.Thread(target=feed, args=(w,), name=f"policyscan-compile-{n}")
-                   for n, w in enumerate(self.workers[:len(variants)])]
+                   for n, w in enumerate(self.workers)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        while take() is not None:  # no worker left (or none started): the rest are reported, not compiled
+            pass
         return results
 
     def close(self) -> None:
@@ -125,15 +141,6 @@ class Compilers:
         self.workers = []
         if self.process is not None:
             self.process.wait()
-
-    def keep(self, n: int) -> None:
-        """End the workers beyond the first n (fewer variants than workers: the rest would only wait); with none
-        kept, the process too, at once (its import would only compete with the model load)."""
-        if n == 0:
-            return self.kill()
-        for worker in self.workers[n:]:
-            worker.close()
-        self.workers = self.workers[:n]
 
     def kill(self) -> None:
         """End every worker now, their variants unfinished (their feeding threads see them die)."""

@@ -11,6 +11,7 @@ import torch
 
 from policyscan.engine.batch import pack, plan_batches
 from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine import compile_start
 from policyscan.engine.compile_ahead import CompileJob, CompileReport, compile_ahead, start_compilers, variants_id
 from policyscan.engine.compile_procs import Compilers, usable_cpus
 from policyscan.engine.files import in_background
@@ -104,7 +105,9 @@ class Engine:
         heads = [b.head for b in self.builders] if settings.prefix_cache else []
         self.compile: CompileReport | None = None
         ahead, job, compilers = gpu and settings.compile_ahead, None, None
-        if ahead:
+        if not ahead:
+            compile_start.end()  # the command line's guess was wrong (no CUDA here, say): their import stops now
+        else:
             run_id = variants_id(self.checkpoint.config, self.precision.record(), heads, settings.batch_tokens,
                                  settings.cuda_graphs, [p.adapter_sha256 for p in policies], str(self.device))
             compilers = start_compilers(run_id)

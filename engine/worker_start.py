@@ -51,20 +51,35 @@ def apply_env(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
+def will_score(argv: list[str], commands: tuple[str, ...]) -> bool:
+    """The command line runs one of `commands` here (not --help, not on a Ray cluster)."""
+    return bool(argv) and argv[0] in commands and not any(
+        a in ("-h", "--help") or a == "--ray" or a.startswith("--ray=") for a in argv)
+
+
+def option(argv: list[str], name: str, default: str | None = None) -> str | None:
+    """The value the command line gives option `name` (`--name V` or `--name=V`; the last one counts)."""
+    value = default
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def _will_run_workers(argv: list[str]) -> bool:
-    if argv[:1] != ["score"] or any(a in ("-h", "--help") or a == "--ray" or a.startswith("--ray=") for a in argv):
+    if not will_score(argv, ("score",)):
         return False
     if any(a.startswith("--devices") for a in argv):
         return True
-    workers = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--workers"), None)
-    workers = next((a.split("=", 1)[1] for a in argv if a.startswith("--workers=")), workers)
+    workers = option(argv, "--workers")
     if workers is not None and workers.isdigit() and int(workers) > 1:
         return True
-    device = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--device"), "auto")
-    return device in ("auto", "cuda") and _gpus() > 1
+    return option(argv, "--device", "auto") in ("auto", "cuda") and gpus() > 1
 
 
-def _gpus() -> int:
+def gpus() -> int:
     """GPUs this process may see, without importing torch: CUDA_VISIBLE_DEVICES, else the NVIDIA driver's list."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:

@@ -1,10 +1,11 @@
 """compile_ahead's bookkeeping on a CPU (engine/compile_ahead.py), its dry run stood in for by fake variants of
-tests/fake_kernels.py: the variants compile in the background while the caller goes on, markers and a manifest
+tests/fake_kernels.py: the variants compile in the background as the dry run meets them, markers and a manifest
 record them, a second run reports them cached without a dry run and closes the children it was given, a variant
 that fails leaves no manifest, and cancel() ends the children."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -26,9 +27,12 @@ def fake(monkeypatch, tmp_path):
     monkeypatch.setattr(ca, "KERNEL_MODULES", ("fake_kernels",))
     runs = []
 
-    def dry_run(decoder, heads, shapes):
+    def dry_run(decoder, heads, shapes, offer):
         runs.append(len(shapes))
-        return [ca.Variant("fake_kernels", "kernel", data, "src") for data in decoder]
+        variants = [ca.Variant("fake_kernels", "kernel", data, "src") for data in decoder]
+        for v in variants:
+            offer(v)
+        return variants
     monkeypatch.setattr(ca, "_dry_run", dry_run)
     return out, marks, runs
 
@@ -52,18 +56,24 @@ def test_variants_compile_in_the_background_then_a_second_run_finds_them_cached(
     assert given.workers == [] and given.process.returncode is not None
 
 
-def test_children_beyond_the_variants_are_ended_before_compiling(fake):
-    given = Compilers(4, ("fake_kernels",))
-    extra = given.workers[1:]
-    job = _job(["only"], "run-d", given)
-    assert len(given.workers) == 1 and all(w.stdin.closed for w in extra)
-    children = Path(f"/proc/{given.process.pid}/task/{given.process.pid}/children")
-    if children.exists():  # Linux: the forked workers beyond the first have ended
+def test_variants_compile_while_the_dry_run_goes_on(fake, monkeypatch):
+    """Each variant goes to a worker as the dry run meets it, not when the dry run ends."""
+    out = fake[0]
+    seen_during = []
+
+    def dry_run(decoder, heads, shapes, offer):
+        first = ca.Variant("fake_kernels", "kernel", "early", "src")
+        offer(first)
         deadline = time.monotonic() + 60
-        while len(children.read_text().split()) != 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(children.read_text().split()) == 1
-    assert job.wait().compiled == 1
+        while not (out / "early").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen_during.append((out / "early").exists())
+        later = ca.Variant("fake_kernels", "kernel", "late", "src")
+        offer(later)
+        return [first, later]
+    monkeypatch.setattr(ca, "_dry_run", dry_run)
+    report = _job([], "run-s", Compilers(2, ("fake_kernels",))).wait()
+    assert seen_during == [True] and (report.variants, report.compiled, report.failed) == (2, 2, 0)
 
 
 def test_children_given_when_nothing_is_left_to_compile_are_ended_at_once(fake):
@@ -115,14 +125,35 @@ def test_the_engine_never_fails_for_compile_ahead_and_keeps_its_children_for_the
     assert runner._compile_after_load(["f1"], [], EngineSettings(), "run-g", again) is None and again.workers == []
 
 
-def test_the_slowest_kernels_are_handed_out_first(fake, monkeypatch):
+class _Held:
+    """Compilers' stand-in whose one worker takes nothing until `go` is set, then takes every variant in turn."""
+
+    def __init__(self):
+        self.workers, self.go, self.took = [None], threading.Event(), []
+
+    def compile(self, variants):
+        self.go.wait(60)
+        self.took = [data for _, _, data in variants]
+        return [None] * len(self.took)
+
+    def close(self):
+        pass
+
+    def kill(self):
+        pass
+
+
+def test_of_the_variants_waiting_the_slowest_kernels_are_handed_out_first(fake):
     names = ["_rope_kernel", "_attn_kernel", "_lora_gemm_ws_kernel", "_head_kernel", "_lora_gemm_ws_kernel"]
-    monkeypatch.setattr(ca, "_dry_run", lambda decoder, heads, shapes: [
-        ca.Variant("fake_kernels", n, f"d{i}", "src") for i, n in enumerate(names)])
-    job = _job([], "run-h", Compilers(1, ("fake_kernels",)))
-    job.cancel()
-    assert [v.data for v in job.todo] == ["d2", "d4", "d1", "d0", "d3"]  # the rest keep the dry run's order
-    job.wait()
+    held = _Held()
+    job = ca.CompileJob("run-h", held, time.perf_counter())
+    for i, n in enumerate(names):
+        job.offer(ca.Variant("fake_kernels", n, f"d{i}", "src"))
+    job.finish(None)  # a dry run that failed: what was offered still compiles, but no manifest
+    held.go.set()
+    report = job.wait()
+    assert held.took == ["d2", "d4", "d1", "d0", "d3"]  # the rest keep the dry run's order
+    assert (report.variants, report.compiled) == (5, 5) and not (fake[1] / "run-run-h").exists()
 
 
 def test_ctrl_c_in_the_compile_after_the_load_ends_the_workers(fake, monkeypatch):
