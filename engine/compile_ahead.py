@@ -200,6 +200,9 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
         variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs), job.offer)
     except Exception:  # noqa: BLE001  a Triton whose hooks differ: the kernels compile as launched, as before
         pass
+    except BaseException:  # Ctrl-C, SIGTERM: the workers end with the dry run
+        job.cancel()
+        raise
     finally:
         job.finish(variants)
     return job

@@ -13,17 +13,21 @@ Only the standard library here: the command line imports this before torch."""
 from __future__ import annotations
 
 import atexit
+import multiprocessing as mp
 import os
 from pathlib import Path
 
 from policyscan.engine.compile_procs import KERNEL_MODULES, MAX_WORKERS, Compilers, usable_cpus
 from policyscan.engine.worker_start import _will_run_workers, gpus, option, will_score
 
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # the driver's list of GPUs (Linux)
 _STARTED: list[Compilers] = []  # the process's early compilers, until the engine takes them (take)
 
 
 def prestart(argv: list[str]) -> None:
     """Start the compiling workers now when this command line will compile kernels on a fresh machine."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        return  # a worker re-importing the command line as its parent's main module
     if will_compile(argv, os.environ):
         _STARTED.append(Compilers(min(MAX_WORKERS, usable_cpus()), KERNEL_MODULES))
         atexit.register(end)  # a run that ends before its engine starts (a bad argument, say) leaves none behind
@@ -35,9 +39,12 @@ def take() -> Compilers | None:
 
 
 def will_compile(argv: list[str], env: os._Environ | dict[str, str]) -> bool:
+    """score or calibrate on a GPU of this process (not --from-scores: no model), an NVIDIA driver present (a
+    CUDA_VISIBLE_DEVICES alone proves no GPU), and a Triton cache with no policyscan variant."""
     device = option(argv, "--device", "auto")
-    return (will_score(argv, ("score", "calibrate")) and (device in ("auto", "cuda") or device.startswith("cuda:"))
-            and not (argv[0] == "score" and _will_run_workers(argv)) and gpus() > 0
+    return (will_score(argv, ("score", "calibrate")) and "--from-scores" not in argv
+            and (device in ("auto", "cuda") or device.startswith("cuda:"))
+            and not (argv[0] == "score" and _will_run_workers(argv)) and NVIDIA_GPUS.is_dir() and gpus() > 0
             and not (triton_cache(env) / "policyscan_variants").exists())
 
 

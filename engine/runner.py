@@ -232,12 +232,14 @@ def _compile_on_shapes(ckpt: Checkpoint, precision: Precision, device: torch.dev
     try:
         shaped = shaped_decoder(ckpt, _ops(True), precision, device)
         attach_policies(shaped, policies, label_ids, factors_on(policies, device, values=False))
-        return compile_ahead(shaped, heads, settings.batch_tokens, settings.cuda_graphs, run_id, compilers)
     except Exception:  # noqa: BLE001  only when kernels compile changes: the real load reports what is wrong
         return None
     except BaseException:
         compilers.kill()
         raise
+    # not in the try: the workers may already hold variants, so no second dry run may feed them (a dry run that
+    # fails leaves its kernels to compile at launch; an interrupt ends the workers)
+    return compile_ahead(shaped, heads, settings.batch_tokens, settings.cuda_graphs, run_id, compilers)
 
 
 def _compile_after_load(decoder: Decoder, heads: list[list[int]], settings: EngineSettings, run_id: str,

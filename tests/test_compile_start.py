@@ -22,6 +22,9 @@ HERE = Path(__file__).resolve().parent
 def one_gpu(monkeypatch, tmp_path):
     """A machine with one GPU (as the driver lists it) and a Triton cache of its own."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    driver = tmp_path / "driver_gpus"
+    driver.mkdir()
+    monkeypatch.setattr(compile_start, "NVIDIA_GPUS", driver)
     env = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
     return env, tmp_path / "triton" / "policyscan_variants"
 
@@ -33,13 +36,16 @@ def test_only_runs_that_will_compile_on_a_fresh_gpu_machine_start_early(one_gpu,
     assert will(["score", "x", "--device", "cuda:0"], env) and will(["score", "x", "--device=cuda"], env)
     assert not will(["score", "x", "--device", "cpu"], env) and not will(["score", "x", "--device=cpu"], env)
     assert not will(["score", "x", "--ray"], env) and not will(["score", "--help"], env)
-    assert not will(["inspect", "m"], env) and not will([], env)
+    assert not will(["inspect", "m"], env) and not will([], env) and not will(["calibrate", "--from-scores"], env)
     assert not will(["score", "x", "--workers", "2"], env)  # the worker path: each worker starts its own
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert not will(["score", "x"], env)  # each GPU's worker starts its own
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert not will(["score", "x"], env)  # no GPU
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(compile_start, "NVIDIA_GPUS", marks.parent / "no_driver")
+    assert not will(["score", "x"], env)  # CUDA_VISIBLE_DEVICES without a driver: a CPU machine
+    monkeypatch.setattr(compile_start, "NVIDIA_GPUS", marks.parent.parent / "driver_gpus")
     marks.mkdir(parents=True)
     assert not will(["score", "x"], env)  # this machine compiled a run before: maybe this one
     home = {"TRITON_HOME": str(marks.parent)}
@@ -76,7 +82,8 @@ def test_early_workers_the_run_never_takes_end_with_the_process(monkeypatch, tmp
     _fake(monkeypatch, tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    code = ("import sys; from policyscan.engine import compile_start as c; c.KERNEL_MODULES = ('fake_kernels',); "
+    code = ("import pathlib, sys; from policyscan.engine import compile_start as c; "
+            f"c.KERNEL_MODULES, c.NVIDIA_GPUS = ('fake_kernels',), pathlib.Path({str(tmp_path)!r}); "
             "c.prestart(['score', 'missing.parquet']); print(c._STARTED[0].process.pid, flush=True); sys.exit(2)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr

@@ -135,6 +135,8 @@ def test_the_fork_server_starts_early_only_for_runs_with_workers(monkeypatch):
     assert not will(["score", "x", "--ray"]) and not will(["score", "--help"]) and not will(["calibrate", "score"])
     assert will(["score", "x", "--device", "cpu", "--workers", "2"])
     assert not will(["score", "x", "--device", "cpu", "--workers", "1"])
+    assert not will(["score", "x", "--device=cpu"]) and will(["score", "x", "--device", "cpu", "--device=cuda"])
+    assert will(["score", "x", "--device", "cpu", "--workers=1", "--workers", "4"])  # the last value counts, as in click
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert not will(["score", "x.parquet"])
 
