@@ -1,8 +1,8 @@
 """Where a start-up's time goes (issue 35, docs/performance.md): `policyscan score ARGS` in this process with the
 engine's start-up steps timed from the process's start, the time spent inside the policies' attach summed per
 step, when each compiling worker answered its first variant, and each compiled variant's seconds from hand-out to
-answer (per kernel, then one line a variant with Triton's specialization). Times count from this script's first line (the interpreter's own
-start, about 0.05 s, comes before).
+answer (per kernel, then one line a variant with Triton's specialization). Times count from this script's first
+line (the interpreter's own start, about 0.05 s, comes before).
 
     TRITON_CACHE_DIR=/tmp/fresh python bench/startup_phases.py score IN -o OUT.parquet --model M --policies P \
         --no-progress

@@ -8,11 +8,11 @@ Triton's jit_cache_hook records each variant this process has not loaded yet and
 compiled before starts child processes first (start_compilers; on a fresh machine the command line started them,
 engine/compile_start.py), dry-runs a decoder of the model's shapes with its weights unread (loader.shaped_decoder:
 shapes, dtypes and strides decide the variants, values do not), handing each variant to the children as it meets
-it, and the children compile them into Triton's disk cache (engine/compile_procs.py) during the dry run and while
-the weights load (CompileJob); the real batches then load the kernels from disk. Anything failing on the way (no child
-process, a read-only cache) only leaves those kernels to compile at launch. The dry run computes nothing that
-is kept, and a variant it missed compiles when first launched, as before: what a run computes does not change,
-only when kernels compile.
+it, and the children compile them into Triton's disk cache (engine/compile_procs.py) during the dry run and
+while the weights load (CompileJob); the real batches then load the kernels from disk. Anything failing on the
+way (no child process, a read-only cache) only leaves those kernels to compile at launch. The dry run computes
+nothing that is kept, and a variant it missed compiles when first launched, as before: what a run computes does
+not change, only when kernels compile.
 
 A marker per variant beside Triton's cache (policyscan_variants/) says it compiled there, so a warm machine
 starts no child process, and a manifest per run configuration lists its variants, so a repeated nightly run

@@ -5,20 +5,19 @@ one process that imports torch, Triton and the kernels first. Started by the eng
 2.4-2.9 s into W1's run, after the command line's own import of the same modules had taken 2.1-2.8 s, so its
 workers could take no variant much before 5 s, while the dry run hands them out from its first batch on. Started
 here, before the command line imports torch, it imports beside it, and the engine takes it over
-(compile_ahead.start_compilers). Only where the run will compile on a GPU of
-this process: score or calibrate, not on the CPU, Ray or the worker path (each worker starts its own), and a
-Triton cache that holds no policyscan variant yet; a warm machine starts nothing.
+(compile_ahead.start_compilers). Only where the run will compile on a GPU of this process: score or calibrate,
+not on the CPU, Ray or the worker path (each worker starts its own), and a Triton cache that holds no policyscan
+variant yet; a warm machine starts nothing.
 
 Only the standard library here: the command line imports this before torch."""
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
 import os
 from pathlib import Path
 
 from policyscan.engine.compile_procs import KERNEL_MODULES, MAX_WORKERS, Compilers, usable_cpus
-from policyscan.engine.worker_start import _will_run_workers, gpus, option, will_score
+from policyscan.engine.worker_start import gpus, option, reimported, will_run_workers, will_score
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # the driver's list of GPUs (Linux)
 _STARTED: list[Compilers] = []  # the process's early compilers, until the engine takes them (take)
@@ -26,7 +25,7 @@ _STARTED: list[Compilers] = []  # the process's early compilers, until the engin
 
 def prestart(argv: list[str]) -> None:
     """Start the compiling workers now when this command line will compile kernels on a fresh machine."""
-    if getattr(mp.current_process(), "_inheriting", False):
+    if reimported():
         return  # a worker re-importing the command line as its parent's main module
     if will_compile(argv, os.environ):
         _STARTED.append(Compilers(min(MAX_WORKERS, usable_cpus()), KERNEL_MODULES))
@@ -44,7 +43,7 @@ def will_compile(argv: list[str], env: os._Environ | dict[str, str]) -> bool:
     device = option(argv, "--device", "auto")
     return (will_score(argv, ("score", "calibrate")) and "--from-scores" not in argv
             and (device in ("auto", "cuda") or device.startswith("cuda:"))
-            and not (argv[0] == "score" and _will_run_workers(argv)) and NVIDIA_GPUS.is_dir() and gpus() > 0
+            and not (argv[0] == "score" and will_run_workers(argv)) and NVIDIA_GPUS.is_dir() and gpus() > 0
             and not (triton_cache(env) / "policyscan_variants").exists())
 
 

@@ -33,9 +33,9 @@ def context():
 def prestart(argv: list[str]) -> None:
     """Start the fork server now, in parallel with this process's own imports, when the command line will run
     workers (score with --workers, --devices, or on a host with several GPUs)."""
-    if getattr(mp.current_process(), "_inheriting", False):
+    if reimported():
         return  # a worker re-importing the command line as its parent's main module: it starts no server
-    if _will_run_workers(argv) and context().get_start_method() == "forkserver":
+    if will_run_workers(argv) and context().get_start_method() == "forkserver":
         from multiprocessing import forkserver
 
         try:
@@ -49,6 +49,11 @@ def apply_env(env: dict[str, str]) -> None:
     for key in set(os.environ) - set(env):
         del os.environ[key]
     os.environ.update(env)
+
+
+def reimported() -> bool:
+    """This process is a worker re-importing the command line as its parent's main module."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))
 
 
 def will_score(argv: list[str], commands: tuple[str, ...]) -> bool:
@@ -68,7 +73,7 @@ def option(argv: list[str], name: str, default: str | None = None) -> str | None
     return value
 
 
-def _will_run_workers(argv: list[str]) -> bool:
+def will_run_workers(argv: list[str]) -> bool:
     if not will_score(argv, ("score",)):
         return False
     if any(a.startswith("--devices") for a in argv):

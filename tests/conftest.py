@@ -61,8 +61,9 @@ def sample_slice(tmp_path_factory) -> dict[str, Path]:
 
 
 # The files whose tests take longest on 2 cores, longest first (seconds summed idle, `--durations=0`, session 35):
-# xdist hands a process the next file when its queue runs low, so the two end together. xdist's own order (most tests first,
-# skipped GPU tests counted) handed out the Ray tests last, which then ran alone: 315 s beside a 2-thread job.
+# xdist hands a process the next file when its queue runs low, so the two end together. xdist's own order (most
+# tests first, skipped GPU tests counted) handed out the Ray tests last, which then ran alone: 315 s beside a
+# 2-thread job.
 LONGEST_FIRST = ("test_kernels.py",  # 36
                  "test_engine_vs_hf.py",  # 32
                  "test_ray.py",  # 30

@@ -1,6 +1,7 @@
 """Kernels compile ahead, in parallel, at load (engine/compile_ahead.py): on a fresh Triton cache every variant
-the run launches was compiled by the pool from a dry run on the shaped decoder (not the fallback after the load), a second process compiles nothing, and f is bitwise what a run that
-compiles each kernel at its first launch gives. Fresh processes, since Triton keeps compiled kernels in memory."""
+the run launches was compiled by the pool from a dry run on the shaped decoder (not the fallback after the
+load), a second process compiles nothing, and f is bitwise what a run that compiles each kernel at its first
+launch gives. Fresh processes, since Triton keeps compiled kernels in memory."""
 from __future__ import annotations
 
 import json

@@ -128,7 +128,7 @@ def test_the_fork_server_starts_early_only_for_runs_with_workers(monkeypatch):
     from policyscan.engine import worker_start
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    will = worker_start._will_run_workers
+    will = worker_start.will_run_workers
     assert will(["score", "x.parquet"]) and will(["score", "x", "--devices", "0,1"]) and will(["score", "--workers=3"])
     assert not will(["score", "x", "--device", "cpu"]) and not will(["score", "x", "--device", "cuda:1"])
     assert will(["score", "x", "--workers", "1"])  # one worker a GPU, two GPUs
@@ -136,7 +136,7 @@ def test_the_fork_server_starts_early_only_for_runs_with_workers(monkeypatch):
     assert will(["score", "x", "--device", "cpu", "--workers", "2"])
     assert not will(["score", "x", "--device", "cpu", "--workers", "1"])
     assert not will(["score", "x", "--device=cpu"]) and will(["score", "x", "--device", "cpu", "--device=cuda"])
-    assert will(["score", "x", "--device", "cpu", "--workers=1", "--workers", "4"])  # the last value counts, as in click
+    assert will(["score", "x", "--device", "cpu", "--workers=1", "--workers", "4"])  # the last counts, as in click
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert not will(["score", "x.parquet"])
 
