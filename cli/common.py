@@ -107,6 +107,11 @@ def resolve_chat_template(model_dir: Path, choice: str | None, policies: list, f
         raise click.UsageError(f"{needing[0]} has a messages column, but {NO_TEMPLATE} ({model_dir}); pass "
                                "--chat-template FILE or a template's name, or --chat-template plain for "
                                "'role: content' lines")
+    return template_arg(choice)
+
+
+def template_arg(choice: str | None) -> str | None:
+    """--chat-template as the engine takes it: a file's path made absolute, anything else as given."""
     return choice if choice is None or choice == "plain" or not Path(choice).is_file() else str(Path(choice).resolve())
 
 

@@ -1,6 +1,7 @@
 """policyscan score: conversation logs in, calibrated per-policy probabilities out."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,8 @@ from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
 from policyscan.engine.workers_run import score_inputs_workers
 from policyscan.cli.common import (EXIT_OK, EXIT_ROW_ERRORS, chat_template_option, check_lengths, clip_chars,
                                    default_model, default_policies, engine_options, friendly_errors, input_files,
-                                   model_option, preload_arrow, protected_files, resolve_chat_template)
+                                   model_option, preload_arrow, protected_files, resolve_chat_template,
+                                   template_arg)
 from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
 
 
@@ -77,13 +79,26 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     fmt = output_format(output, fmt, per_input)
     spec = ReadSpec(text_column, messages_column, id_column, tuple(keep), max_chars=clip_chars(max_length))
     out = OutputSpec(fmt, layout, raw, strict, flagged, truncation)
-    pols = load_policies(list(policies) or list(default_policies()))
+    bundles = tuple(policies) or default_policies()
     model_dir = Path(model or default_model())
-    jobs = plan_jobs(files, output, per_input, fmt, errors_path)
-    check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
-    template = resolve_chat_template(model_dir, chat_template, pols, files, spec)
     settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
-                              chat_template=template, threads=threads, fp8_flip_limit=fp8_flip_limit)
+                              chat_template=template_arg(chat_template), threads=threads, fp8_flip_limit=fp8_flip_limit)
+    slots = None if ray_address is not None else _worker_devices(device, devices, workers)
+    # the workers load the model while this process reads the policies and checks the inputs (done first, they
+    # delayed W1's one-GPU worker by 0.55 s); pool.expect checks that the workers read the same policies
+    with WorkerPool(WorkerConfig(model_dir, bundles, settings, slots)) if slots else contextlib.nullcontext() as pool:
+        pols = load_policies(list(bundles))
+        jobs = plan_jobs(files, output, per_input, fmt, errors_path)
+        check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
+        resolve_chat_template(model_dir, chat_template, pols, files, spec)
+        total = _score(pool, pols, model_dir, settings, jobs, spec, out, per_input, no_progress, ray_address,
+                       workers, devices)
+    sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
+
+
+def _score(pool: WorkerPool | None, pols, model_dir: Path, settings: EngineSettings, jobs: list[Job], spec: ReadSpec,
+           out: OutputSpec, per_input: bool, no_progress: bool, ray_address: str | None, workers: int,
+           devices: str) -> Accounting:
     progress = not no_progress and _is_terminal()
     if ray_address is not None:
         from policyscan.ray.run import score_on_ray
@@ -91,9 +106,8 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
         total, run = score_on_ray(ray_address, model_dir, pols, settings, jobs, spec, out, per_input, workers, devices,
                                   progress)
         _summary(run, total)
-        sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
-    slots = _worker_devices(device, devices, workers)
-    if slots is None:
+        return total
+    if pool is None:
         engine = Engine(model_dir, pols, settings)
         click.echo(f"policyscan: {len(engine.policies)} policies ({', '.join(p.name for p in engine.policies)}) on "
                    f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, "
@@ -101,12 +115,12 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
         total = _score_jobs(engine, jobs, spec, out, progress, per_input)
         _summary(engine, total)
     else:
-        with WorkerPool(WorkerConfig(model_dir, tuple(pols), settings, slots)) as pool:
-            click.echo(f"policyscan: {len(pols)} policies ({', '.join(p.name for p in pols)}) on {model_dir} "
-                       f"[{len(slots)} workers: {', '.join(pool.devices)}]", err=True)
-            total = _score_jobs(pool, jobs, spec, out, progress, per_input)
-            _summary(pool, total)
-    sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
+        pool.expect(pols)
+        click.echo(f"policyscan: {len(pols)} policies ({', '.join(p.name for p in pols)}) on {model_dir} "
+                   f"[{len(pool.devices)} workers: {', '.join(pool.devices)}]", err=True)
+        total = _score_jobs(pool, jobs, spec, out, progress, per_input)
+        _summary(pool, total)
+    return total
 
 
 def _score_jobs(scorer: Engine | WorkerPool, jobs: list[Job], spec, out, progress, per_input) -> Accounting:

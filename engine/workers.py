@@ -11,12 +11,12 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from policyscan.engine.errors import PolicyError, PolicyscanError
-from policyscan.engine.policy import LoraWeights, Policy, load_adapter
+from policyscan.engine.policy import Policy, bare
 from policyscan.engine.runner import EngineSettings
 from policyscan.engine.units import Unit
 from policyscan.engine.worker_start import context
@@ -29,10 +29,13 @@ STOP_SECONDS = 10.0  # a clean stop waits this long for a worker to exit before 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What every worker loads, and the devices: one worker each ("cpu", or a CUDA device's index)."""
+    """What every worker loads, and the devices: one worker each ("cpu", or a CUDA device's index). `policies`:
+    bundles or folders of them, as load_policies takes them; each worker reads them itself (W1's 8 adapters are
+    780 MB in fp32, too much to pickle through a pipe to every worker), and WorkerPool.expect checks that it read
+    what the parent did."""
 
     model_dir: Path
-    policies: tuple[Policy, ...]
+    policies: tuple[str | Path, ...]
     settings: EngineSettings
     devices: tuple[str, ...]
 
@@ -49,27 +52,6 @@ class WorkerConfig:
     def label(self, slot: int) -> str:
         d = self.devices[slot]
         return d if d == "cpu" else f"cuda:{d}"
-
-    def without_adapters(self) -> WorkerConfig:
-        """What a worker is sent: its policies without their LoRA factors (W1's 8 adapters are 780 MB in fp32,
-        pickled through a pipe to every worker), which with_adapters reads again from the bundles; their scales
-        (from adapter_config.json) stay, to be compared."""
-        return replace(self, policies=tuple(replace(p, lora=LoraWeights({}, p.lora.scales)) if p.adapter_sha256
-                                            else p for p in self.policies))
-
-    def with_adapters(self) -> WorkerConfig:
-        """In a worker: each policy's factors read from its bundle, checked by sha256 to be those the parent read."""
-        pols = []
-        for p in self.policies:
-            if p.adapter_sha256 is not None:
-                lora, sha = load_adapter(p.path)
-                if sha != p.adapter_sha256 or lora.scales != p.lora.scales:  # the scales: adapter_config.json
-                    raise PolicyError(f"{p.path}: the adapter changed while the run started (its weights, sha256 "
-                                      f"{p.adapter_sha256[:12]}... then, {(sha or 'none')[:12]}... now, or the "
-                                      "scales of its adapter_config.json); run again")
-                p = replace(p, lora=lora)
-            pols.append(p)
-        return replace(self, policies=tuple(pols))
 
 
 @dataclass(frozen=True)
@@ -95,6 +77,7 @@ class Worker:
     described: bool = False
     units: list[int] = field(default_factory=list)  # sent and not done, in the order sent
     reason: str | None = None  # what the worker said before it died
+    read: list[Policy] | None = None  # the policies it loaded, bare (once ready)
 
 
 class WorkerPool:
@@ -102,7 +85,7 @@ class WorkerPool:
 
     def __init__(self, config: WorkerConfig):
         self.config = config
-        self.policies = list(config.policies)
+        self.policies: list[Policy] | None = None  # the parent's, once expect() has them
         self._ctx = context()  # a fork server's or spawn: a plain fork would copy a parent's CUDA state and threads
         self._restarts = [RESTARTS] * len(config.devices)
         self._loaded = [False] * len(config.devices)  # a slot whose worker loaded once: a later failure is a death
@@ -130,12 +113,30 @@ class WorkerPool:
 
     def _start(self, slot: int) -> Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=worker_main, args=(child, self.config.without_adapters(), slot,
+        proc = self._ctx.Process(target=worker_main, args=(child, self.config, slot,
                                                            dict(os.environ)), daemon=True,
                                  name=f"policyscan-worker-{self.config.label(slot)}")
         proc.start()
         child.close()
         return Worker(slot, proc, parent)
+
+    def expect(self, policies: list[Policy]) -> None:
+        """The policies the parent read from config.policies: every worker must have read the same (checked now
+        for those that said so, else when they do); the outputs' metadata is written from these."""
+        self.policies = list(policies)
+        for w in self.workers:
+            if w is not None and w.read is not None:
+                self._check_policies(w)
+
+    def _check_policies(self, w: Worker) -> None:
+        if self.policies is None:
+            return
+        mine = [bare(p) for p in self.policies]
+        if w.read != mine:
+            changed = [p.path for p, q in zip(mine, w.read) if p != q] or [p.path for p in mine]
+            raise PolicyError(f"the policies changed while the run started ({', '.join(map(str, changed))}: the worker "
+                              f"on {self.config.label(w.slot)} read other weights, scales or settings than this "
+                              "process); run again")
 
     def ready_workers(self) -> list[Worker]:
         return [w for w in self.workers if w is not None and w.ready]
@@ -172,6 +173,8 @@ class WorkerPool:
         kind = msg[0]
         if kind == "ready":
             w.ready = self._loaded[w.slot] = True
+            w.read = msg[2]
+            self._check_policies(w)
         elif kind == "describe":
             self._check_same(w, msg[1], msg[2])
             w.described = True

@@ -16,6 +16,7 @@ import numpy as np
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.pipeline import Accounting, FileFailure, StrictStop, _hashes, _prefetch, _score_chunk
 from policyscan.engine.rows import PartialFileError
+from policyscan.engine.policy import bare, load_policies
 from policyscan.engine.runner import Engine
 from policyscan.engine.units import unit_items
 from policyscan.engine.worker_start import apply_env
@@ -90,12 +91,12 @@ def worker_main(conn: Connection, config, slot: int, env: dict[str, str]) -> Non
             conn.send(msg)
 
     try:
-        config = config.with_adapters()
-        engine = Engine(config.model_dir, list(config.policies), config.settings)
+        policies = load_policies(list(config.policies))
+        engine = Engine(config.model_dir, policies, config.settings)
     except Exception as e:
         send(("fatal", str(e) if isinstance(e, PolicyscanError) else f"{type(e).__name__}: {e}"))
         return
-    send(("ready", os.getpid()))
+    send(("ready", os.getpid(), [bare(p) for p in policies]))
     threading.Thread(target=_describe, args=(engine, send), daemon=True, name="policyscan-describe").start()
     try:
         _serve(engine, conn, send)

@@ -153,6 +153,8 @@ def score_inputs_workers(pool: WorkerPool, inputs: list[Path], output: Path, err
                          unit_bytes: int = UNIT_BYTES) -> Accounting:
     """pipeline.score_inputs with the pool's workers: the same files, bit for bit. The metadata also names the
     workers' devices. On any failure (Ctrl-C, SIGTERM) the workers are stopped and nothing is left behind."""
+    if pool.policies is None:
+        raise RuntimeError("WorkerPool.expect(policies) comes before scoring: the outputs' metadata needs them")
     shas, writer, err, acc = open_outputs(pool.policies, inputs, output, errors, out, keyed, input_sha256)
     sink = _Sink(writer, err, acc, out.strict, progress)
     t0 = time.perf_counter()

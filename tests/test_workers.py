@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,44 +142,36 @@ def test_the_fork_server_starts_early_only_for_runs_with_workers(monkeypatch):
     assert not will(["score", "x.parquet"])
 
 
-def test_workers_are_sent_policies_without_factors_and_read_them_back(tmp_path):
-    """A worker gets its policies' LoRA factors from the bundles, not through the pipe, and refuses an adapter that
-    changed since the parent read it."""
-    import pickle
-    import shutil
-
-    import torch
-
+def test_a_worker_that_read_other_policies_than_this_process_stops_the_run(tmp_path):
+    """Each worker reads the bundles itself while the parent does: an adapter changed in between (its weights, or
+    the scales of its adapter_config.json) stops the run, whether the parent's policies come before the worker's
+    or after."""
     shutil.copytree(SAMPLE / "policies", tmp_path / "policies")
-    cfg = WorkerConfig(SAMPLE / "model", tuple(load_policies([tmp_path / "policies"])), SETTINGS, ("cpu",))
-    sent = cfg.without_adapters()
-    assert len(pickle.dumps(sent)) * 20 < len(pickle.dumps(cfg))
-    back = sent.with_adapters()
-    for p, q in zip(cfg.policies, back.policies):
-        assert p.lora.factors.keys() == q.lora.factors.keys() and p.lora.scales == q.lora.scales
-        assert all(torch.equal(a, c) and torch.equal(b, d)
-                   for (a, b), (c, d) in zip(p.lora.factors.values(), q.lora.factors.values()))
-    assert [replace_lora(p) for p in back.policies] == [replace_lora(p) for p in cfg.policies]
-    changed = next(p for p in cfg.policies if p.adapter_sha256)
-    conf = changed.path / "adapter_config.json"
-    original = conf.read_text()
-    conf.write_text(json.dumps({**json.loads(original), "lora_alpha": 1234}))
-    with pytest.raises(PolicyscanError, match="adapter changed while the run started"):
-        sent.with_adapters()
-    conf.write_text(original)
+    mine = load_policies([tmp_path / "policies"])
+    changed = next(p for p in mine if p.adapter_sha256)
     weights = changed.path / "adapter_model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-8] + b"\x00" * 8)
-    with pytest.raises(PolicyscanError, match="adapter changed while the run started"):
-        sent.with_adapters()
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\x00" * 8)  # the last factor's last elements
+    config = WorkerConfig(SAMPLE / "model", (tmp_path / "policies",), SETTINGS, ("cpu",))
+    with pytest.raises(PolicyscanError, match=f"policies changed while the run started \\({changed.path}"):
+        with WorkerPool(config) as pool:
+            pool.expect(mine)
+            while True:
+                pool.events(1.0)
+    mine = load_policies([tmp_path / "policies"])
+    conf = changed.path / "adapter_config.json"
+    conf.write_text(json.dumps({**json.loads(conf.read_text()), "lora_alpha": 1234}))
+    with pytest.raises(PolicyscanError, match="policies changed while the run started"):
+        with WorkerPool(config) as pool:
+            while not pool.ready_workers():
+                pool.events(1.0)
+            pool.expect(mine)
 
 
-def replace_lora(p):
-    """A policy's every field but its factors (tensors do not compare with ==)."""
-    from dataclasses import replace
-
-    from policyscan.engine.policy import LoraWeights
-
-    return replace(p, lora=LoraWeights({}, {}))
+def _pool(policies, devices: tuple[str, ...]) -> WorkerPool:
+    """A pool of the sample's workers, expecting `policies` (the sample's, as the parent read them)."""
+    pool = WorkerPool(WorkerConfig(SAMPLE / "model", (SAMPLE / "policies",), SETTINGS, devices))
+    pool.expect(list(policies))
+    return pool
 
 
 def test_two_workers_write_the_bits_of_one_worker_and_of_the_single_process_path(inputs, policies, reference,
@@ -189,7 +182,7 @@ def test_two_workers_write_the_bits_of_one_worker_and_of_the_single_process_path
     for n in (1, 2):
         d = tmp_path / f"w{n}"
         d.mkdir()
-        with WorkerPool(WorkerConfig(SAMPLE / "model", policies, SETTINGS, ("cpu",) * n)) as pool:
+        with _pool(policies, ("cpu",) * n) as pool:
             table, errors, acc = _run(pool, inputs, d)
         assert table.equals(ref_table), n
         assert errors == ref_errors
@@ -206,7 +199,7 @@ def test_a_killed_worker_loses_no_row_and_a_unit_that_kills_twice_is_listed(inpu
     once = next(u for u in units if u.path == inputs[1] and u.part.first_row > 0)
     # SIGKILL (an OOM kill) of the worker starting a JSONL range, once; of every worker starting `poison`
     monkeypatch.setenv(KILL_ENV, f"{once.index},{poison.index}*")
-    with WorkerPool(WorkerConfig(SAMPLE / "model", policies, SETTINGS, ("cpu", "cpu"))) as pool:
+    with _pool(policies, ("cpu", "cpu")) as pool:
         table, errors, acc = _run(pool, inputs, tmp_path)
         assert len(pool.deaths) == 3, pool.deaths
     lost_ids = [f"c.parquet:{r}" for r in poison.part.file_rows]
@@ -238,8 +231,9 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, stop)
     sample, out = Path(sys.argv[1]), Path(sys.argv[2])
     settings = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)
-    config = WorkerConfig(sample / "model", tuple(load_policies([sample / "policies"])), settings, ("cpu", "cpu"))
+    config = WorkerConfig(sample / "model", (sample / "policies",), settings, ("cpu", "cpu"))
     with WorkerPool(config) as pool:
+        pool.expect(load_policies([sample / "policies"]))
         print(*pool.pids(), flush=True)
         try:
             score_inputs_workers(pool, [sample / "conversations.parquet"] * 4, out / "o.parquet", out / "e.jsonl",
