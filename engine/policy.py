@@ -148,8 +148,9 @@ def _finite(t: torch.Tensor, w_path: Path, name: str) -> torch.Tensor:
     factors took 0.47 s to check element by element, most of its policies' load. The sum is numpy's, in this
     thread: torch's spreads each factor over its whole thread pool, and beside another process doing the same (a
     GPU worker reading the bundles as its parent does) W1's 3136 sums took 24 s on the H200 machine's 16 cores."""
-    if np.isfinite(t.numpy().sum()):
-        return t
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow only sends it to the element check
+        if np.isfinite(t.numpy().sum()):
+            return t
     bad = ~torch.isfinite(t)
     if bad.any():
         raise PolicyError(f"{w_path}: tensor {name!r} holds {int(bad.sum())} non-finite values (NaN or Inf), "
@@ -179,9 +180,10 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
                               f"model's {proj} ({out_f} x {in_f}); is this adapter for another model?")
 
 
-def bare(policy: Policy) -> Policy:
-    """The policy without its LoRA factors (tensors do not compare with ==): the adapter's sha256 and scales stay."""
-    return replace(policy, lora=LoraWeights({}, policy.lora.scales))
+def fingerprint(policy: Policy) -> str:
+    """The policy but its LoRA factors (tensors do not compare with ==), the adapter's sha256 and scales kept, as a
+    string: a NaN read from policy.json equals itself there, not as a float."""
+    return repr(replace(policy, lora=LoraWeights({}, policy.lora.scales)))
 
 
 def load_policies(paths: list[str | Path]) -> list[Policy]:

@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from policyscan.engine.errors import PolicyError, PolicyscanError
-from policyscan.engine.policy import Policy, bare
+from policyscan.engine.policy import Policy, fingerprint
 from policyscan.engine.runner import EngineSettings
 from policyscan.engine.units import Unit
 from policyscan.engine.worker_start import context
@@ -77,7 +77,7 @@ class Worker:
     described: bool = False
     units: list[int] = field(default_factory=list)  # sent and not done, in the order sent
     reason: str | None = None  # what the worker said before it died
-    read: list[Policy] | None = None  # the policies it loaded, bare (once ready)
+    read: list[str] | None = None  # the fingerprints of the policies it loaded (once ready)
 
 
 class WorkerPool:
@@ -125,18 +125,20 @@ class WorkerPool:
         for those that said so, else when they do); the outputs' metadata is written from these."""
         self.policies = list(policies)
         for w in self.workers:
-            if w is not None and w.read is not None:
-                self._check_policies(w)
+            if w is not None and w.read is not None and (changed := self._changed(w)):
+                raise PolicyError(f"the policies changed while the run started ({changed}: the worker on "
+                                  f"{self.config.label(w.slot)} read other weights, scales or settings than this "
+                                  "process); run again")
 
-    def _check_policies(self, w: Worker) -> None:
-        if self.policies is None:
-            return
-        mine = [bare(p) for p in self.policies]
-        if w.read != mine:
-            changed = [p.path for p, q in zip(mine, w.read) if p != q] or [p.path for p in mine]
-            raise PolicyError(f"the policies changed while the run started ({', '.join(map(str, changed))}: the worker "
-                              f"on {self.config.label(w.slot)} read other weights, scales or settings than this "
-                              "process); run again")
+    def _changed(self, w: Worker) -> str:
+        """The paths of the policies `w` read otherwise than the parent, or "" (also before expect())."""
+        if self.policies is None or w.read is None:
+            return ""
+        mine = [fingerprint(p) for p in self.policies]
+        if w.read == mine:
+            return ""
+        return ", ".join(str(p.path) for p, a, b in zip(self.policies, mine, w.read) if a != b) or \
+            ", ".join(str(p.path) for p in self.policies)
 
     def ready_workers(self) -> list[Worker]:
         return [w for w in self.workers if w is not None and w.ready]
@@ -172,9 +174,15 @@ class WorkerPool:
     def _handle(self, w: Worker, msg: tuple, out: list[Event]) -> None:
         kind = msg[0]
         if kind == "ready":
+            w.read, restarted = msg[2], self._loaded[w.slot]
+            if (changed := self._changed(w)) and restarted:  # the run goes on without this slot, as on "fatal"
+                w.reason, self._restarts[w.slot] = f"read other policies than the run's when it started again " \
+                                                   f"({changed}): given up", 0
+                w.process.terminate()
+                return
+            if changed:
+                self.expect(self.policies)  # raises, saying which
             w.ready = self._loaded[w.slot] = True
-            w.read = msg[2]
-            self._check_policies(w)
         elif kind == "describe":
             self._check_same(w, msg[1], msg[2])
             w.described = True

@@ -16,7 +16,7 @@ import numpy as np
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.pipeline import Accounting, FileFailure, StrictStop, _hashes, _prefetch, _score_chunk
 from policyscan.engine.rows import PartialFileError
-from policyscan.engine.policy import bare, load_policies
+from policyscan.engine.policy import fingerprint, load_policies
 from policyscan.engine.runner import Engine
 from policyscan.engine.units import unit_items
 from policyscan.engine.worker_start import apply_env
@@ -96,7 +96,7 @@ def worker_main(conn: Connection, config, slot: int, env: dict[str, str]) -> Non
     except Exception as e:
         send(("fatal", str(e) if isinstance(e, PolicyscanError) else f"{type(e).__name__}: {e}"))
         return
-    send(("ready", os.getpid(), [bare(p) for p in policies]))
+    send(("ready", os.getpid(), [fingerprint(p) for p in policies]))
     threading.Thread(target=_describe, args=(engine, send), daemon=True, name="policyscan-describe").start()
     try:
         _serve(engine, conn, send)

@@ -120,11 +120,11 @@ def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings
         ds.context.execution_options.preserve_order = True  # the outputs' rows in input order
         ds.context.enable_progress_bars = progress
         batches = (t for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for t in unpack(b))
-    total = _write(ray, batches, todo, job_of, run, spec, out, per_input)
-    run.describe()  # the summary's, while connected
-    if joined:  # left to exit, Ray's own shutdown took 1.4-1.5 s of the run on a CPU, 0.3 s here
-        ray.shutdown()
-    return total, run
+    try:
+        return _write(ray, batches, todo, job_of, run, spec, out, per_input), run
+    finally:
+        if joined:  # left to exit, Ray's own shutdown took 1.4-1.5 s of a run on a CPU, 0.3 s here
+            ray.shutdown()
 
 
 class _ChunkScorer(PolicyScorer):

@@ -155,7 +155,8 @@ def test_a_worker_that_read_other_policies_than_this_process_stops_the_run(tmp_p
     with pytest.raises(PolicyscanError, match=f"policies changed while the run started \\({changed.path}"):
         with WorkerPool(config) as pool:
             pool.expect(mine)
-            while True:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
                 pool.events(1.0)
     mine = load_policies([tmp_path / "policies"])
     conf = changed.path / "adapter_config.json"
@@ -170,7 +171,7 @@ def test_a_worker_that_read_other_policies_than_this_process_stops_the_run(tmp_p
 def _pool(policies, devices: tuple[str, ...]) -> WorkerPool:
     """A pool of the sample's workers, expecting `policies` (the sample's, as the parent read them)."""
     pool = WorkerPool(WorkerConfig(SAMPLE / "model", (SAMPLE / "policies",), SETTINGS, devices))
-    pool.expect(list(policies))
+    pool.expect(list(policies))  # raises only for a worker that is ready: none is yet
     return pool
 
 
@@ -209,6 +210,28 @@ def test_a_killed_worker_loses_no_row_and_a_unit_that_kills_twice_is_listed(inpu
     assert [e for e in errors if "died on these rows twice" not in e] == ref_errors
     assert acc.balanced and acc.rows_in == ref_acc.rows_in
     assert acc.rows_in_errors == ref_acc.rows_in_errors + poison.part.rows  # the run's exit status is 3
+
+
+def test_a_worker_that_reads_changed_policies_on_its_restart_is_given_up_and_the_run_goes_on(inputs, reference,
+                                                                                              tmp_path, monkeypatch):
+    """A worker restarted after a death reads the bundles again: changed since the run started, its slot is given
+    up (as when it cannot load again) and the others score its units."""
+    ref_table, ref_errors, ref_acc = reference
+    shutil.copytree(SAMPLE / "policies", tmp_path / "policies")
+    mine = load_policies([tmp_path / "policies"])
+    units = plan_units(inputs, ReadSpec(), UNIT_ROWS, UNIT_BYTES)
+    monkeypatch.setenv(KILL_ENV, str(units[2].index))  # SIGKILL of the worker starting unit 2, on its first try
+    with WorkerPool(WorkerConfig(SAMPLE / "model", (tmp_path / "policies",), SETTINGS, ("cpu", "cpu"))) as pool:
+        pool.expect(mine)
+        while len(pool.ready_workers()) < 2:
+            pool.events(1.0)
+        changed = next(p for p in mine if p.adapter_sha256)
+        conf = changed.path / "adapter_config.json"
+        conf.write_text(json.dumps({**json.loads(conf.read_text()), "lora_alpha": 1234}))
+        table, errors, acc = _run(pool, inputs, tmp_path)
+        assert any("read other policies than the run's when it started again" in d and str(changed.path) in d
+                   for d in pool.deaths), pool.deaths
+    assert table.equals(ref_table) and errors == ref_errors and _counts(acc) == _counts(ref_acc)
 
 
 SCRIPT = """
@@ -281,3 +304,10 @@ def test_cli_workers_write_the_single_process_table_and_refuse_workers_on_gpus(t
     res = CliRunner().invoke(cli, ["score", str(src), "-o", str(tmp_path / "g.parquet"), "--device", "cuda",
                                    "--workers", "2", "--no-progress"])
     assert res.exit_code == 2 and "--workers is for the CPU" in res.output
+    # the workers start before the policies are read: a bad bundle path ends them with the run
+    import multiprocessing
+
+    res = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "bad.parquet"), "--workers", "2", "--policies",
+                                   str(tmp_path / "nowhere")])
+    assert res.exit_code == 1 and "nowhere: no such policy bundle or folder" in res.output, res.output
+    assert not multiprocessing.active_children() and not (tmp_path / "bad.parquet").exists()
