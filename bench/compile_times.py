@@ -27,7 +27,8 @@ from e2e import prepare  # noqa: E402
 from policyscan.engine.compile_ahead import _dry_run, shape_classes  # noqa: E402
 from policyscan.engine.compile_procs import KERNEL_MODULES, Compilers  # noqa: E402
 from policyscan.engine.policy import load_policies  # noqa: E402
-from policyscan.engine.runner import Engine, EngineSettings  # noqa: E402
+from policyscan.engine.runner import Engine  # noqa: E402
+from policyscan.engine.settings import EngineSettings  # noqa: E402
 
 def import_seconds(modules: list[str], n: int) -> float:
     """Wall time of n processes importing the kernels' modules at once."""

@@ -32,7 +32,8 @@ from workloads import WORKLOADS, hf_peft_model, lengths, shape  # noqa: E402
 from policyscan.cli.common import clip_chars  # noqa: E402
 from policyscan.engine.pipeline import _encoded  # noqa: E402
 from policyscan.engine.policy import load_policies  # noqa: E402
-from policyscan.engine.runner import Engine, EngineSettings  # noqa: E402
+from policyscan.engine.runner import Engine  # noqa: E402
+from policyscan.engine.settings import EngineSettings  # noqa: E402
 from policyscan.engine.sources import ReadSpec  # noqa: E402
 
 POLICY_PREFIX = "Policy {a}: the assistant must follow rule {a} of the compliance handbook.\nConversation:\n"

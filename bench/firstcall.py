@@ -18,7 +18,8 @@ import triton
 from policyscan.cli.common import clip_chars
 from policyscan.engine.pipeline import OutputSpec, _encoded, score_inputs
 from policyscan.engine.policy import load_policies
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.sources import ReadSpec
 
 MISSES: list[str] = []

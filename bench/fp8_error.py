@@ -23,7 +23,8 @@ from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policies
 from policyscan.engine.precision import Precision
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine
+from policyscan.engine.settings import EngineSettings
 from policyscan.kernels import reference
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"

@@ -24,7 +24,7 @@ from power import PowerSampler, describe  # noqa: E402
 from run import DEVICE, engine_pass, sync  # noqa: E402
 from workloads import WORKLOADS, prompts, random_decoder, shape  # noqa: E402
 
-from policyscan.engine.runner import EngineSettings  # noqa: E402
+from policyscan.engine.settings import EngineSettings  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402
 from policyscan.kernels.launch import sm_count  # noqa: E402
 

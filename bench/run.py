@@ -22,7 +22,7 @@ from power import PowerSampler, describe, layer_rate, sustained_gemm_rates  # no
 
 from policyscan.engine.batch import pack, plan_batches  # noqa: E402
 from policyscan.engine.graphs import GraphedForward  # noqa: E402
-from policyscan.engine.runner import EngineSettings  # noqa: E402
+from policyscan.engine.settings import EngineSettings  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402
 
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: a dry run of this script

@@ -9,7 +9,8 @@ import numpy as np
 
 from policyscan.calibration.labeled import score_labeled
 from policyscan.engine.policy import Policy
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.sources import ReadSpec
 
 

@@ -17,7 +17,8 @@ from policyscan.calibration.precision_check import fp8_check
 from policyscan.calibration.record import data_sha256, write_calibration
 from policyscan.engine.errors import InputError
 from policyscan.engine.policy import load_policy
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.sources import ReadSpec
 from policyscan.cli.common import (chat_template_option, check_lengths, clip_chars, default_model, engine_options,
                                    friendly_errors, input_files, model_option, resolve_chat_template)

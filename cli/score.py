@@ -5,6 +5,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import pyarrow as pa
@@ -13,8 +14,8 @@ import pyarrow.parquet as pq
 from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.pipeline import Accounting, OutputSpec, run_key, score_inputs, up_to_date
-from policyscan.engine.policy import load_policies
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.policy import Policy, load_policies
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.sources import ReadSpec
 from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
 from policyscan.engine.workers_run import score_inputs_workers
@@ -23,6 +24,9 @@ from policyscan.cli.common import (EXIT_OK, EXIT_ROW_ERRORS, chat_template_optio
                                    model_option, preload_arrow, protected_files, resolve_chat_template,
                                    template_arg)
 from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
+
+if TYPE_CHECKING:  # torch: imported where this process scores, so that `score --ray` never loads it
+    from policyscan.engine.runner import Engine
 
 
 @click.command()
@@ -103,23 +107,30 @@ def _score(pool: WorkerPool | None, pols, model_dir: Path, settings: EngineSetti
     if ray_address is not None:
         from policyscan.ray.run import score_on_ray
 
-        total, run = score_on_ray(ray_address, model_dir, pols, settings, jobs, spec, out, per_input, workers, devices,
-                                  progress)
-        _summary(run, total)
+        total = score_on_ray(ray_address, model_dir, pols, settings, jobs, spec, out, per_input, workers, devices,
+                             progress)
+        _summary(pols, total, [])
         return total
     if pool is None:
+        from policyscan.engine.runner import Engine
+
         engine = Engine(model_dir, pols, settings)
         click.echo(f"policyscan: {len(engine.policies)} policies ({', '.join(p.name for p in engine.policies)}) on "
                    f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, "
                    f"{engine.device}]", err=True)
         total = _score_jobs(engine, jobs, spec, out, progress, per_input)
-        _summary(engine, total)
+        notes = [_time_split(engine, total)]
+        if engine.precision_reason:
+            notes.append(f"precision {engine.precision}, not FP8 (--precision auto): {engine.precision_reason}")
+        _summary(engine.policies, total, notes)
     else:
         pool.expect(pols)
         click.echo(f"policyscan: {len(pols)} policies ({', '.join(p.name for p in pols)}) on {model_dir} "
                    f"[{len(pool.devices)} workers: {', '.join(pool.devices)}]", err=True)
         total = _score_jobs(pool, jobs, spec, out, progress, per_input)
-        _summary(pool, total)
+        deaths = [f"worker processes that died ({len(pool.deaths)}; their units went to the others): "
+                  + "; ".join(pool.deaths)] if pool.deaths else []
+        _summary(pool.policies, total, deaths)
     return total
 
 
@@ -195,7 +206,8 @@ def _parquet_rows(files: list[Path]) -> int | None:
         return None
 
 
-def _summary(engine: Engine | WorkerPool, acc: Accounting) -> None:
+def _summary(policies: list[Policy], acc: Accounting, notes: list[str]) -> None:
+    """The row accounting, then `notes` (where the time went, a worker's death), then each policy's flag count."""
     tps = acc.prompt_tokens / acc.seconds if acc.seconds else 0.0
     check = "balanced" if acc.balanced else "NOT BALANCED"
     lines = [f"rows in {acc.rows_in} = scored {acc.rows_scored} + in errors {acc.rows_in_errors} ({check})"]
@@ -206,14 +218,8 @@ def _summary(engine: Engine | WorkerPool, acc: Accounting) -> None:
     lines.append(f"prompt tokens {acc.prompt_tokens:,} in {acc.seconds:.2f} s ({tps:,.0f} tokens/s; waiting for "
                  f"input {acc.input_wait_seconds:.2f} s, writing {acc.output_seconds:.2f} s); "
                  f"truncated prompts {acc.truncated_prompts}")
-    if isinstance(engine, Engine):
-        lines.append(_time_split(engine, acc))
-        if engine.precision_reason:
-            lines.append(f"precision {engine.precision}, not FP8 (--precision auto): {engine.precision_reason}")
-    elif isinstance(engine, WorkerPool) and engine.deaths:
-        lines.append(f"worker processes that died ({len(engine.deaths)}; their units went to the others): "
-                     + "; ".join(engine.deaths))
-    for p in engine.policies:
+    lines += notes
+    for p in policies:
         n = acc.above_threshold.get(p.name, 0)
         share = n / acc.rows_scored if acc.rows_scored else 0.0
         lines.append(f"  {p.name}: {n} of {acc.rows_scored} above threshold {p.threshold} ({share:.1%})")

@@ -17,7 +17,8 @@ from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.policy import load_policy
 from policyscan.engine.precision import Precision
-from policyscan.engine.runner import Engine, EngineSettings, resolve_device
+from policyscan.engine.runner import Engine, resolve_device
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.sinks import read_metadata
 from policyscan.engine.sources import ReadSpec, read_chunks
 from policyscan.cli.common import check_device, friendly_errors

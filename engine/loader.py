@@ -162,10 +162,11 @@ def factors_on(policies: list[Policy], device: torch.device, values: bool = True
     over a span's edge ranks in every policy (adapters saved untrained, say) could narrow the real spans: that
     only leaves a variant to compile at its first launch."""
     if device.type == "cpu" and values:
-        return [p.lora.factors for p in policies]
+        return [{k: (torch.from_numpy(a), torch.from_numpy(b)) for k, (a, b) in p.lora.factors.items()}
+                for p in policies]
     out = []
     for p in policies:
-        flat = [t for ab in p.lora.factors.values() for t in ab]
+        flat = [torch.from_numpy(t) for ab in p.lora.factors.values() for t in ab]
         moved: dict[int, torch.Tensor] = {}
         for dtype in {t.dtype for t in flat}:
             same = [i for i, t in enumerate(flat) if t.dtype == dtype]

@@ -11,16 +11,19 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import InputError
-from policyscan.engine.runner import Engine
 from policyscan.engine.sinks import (ErrorWriter, ScoreWriter, commit_together, meta_path, read_metadata,
                                      remove_leftovers)
 from policyscan.engine.sources import Chunk, PartialFileError, ReadSpec, read_chunks
+
+if TYPE_CHECKING:  # torch: the `score --ray` driver writes outputs without it
+    from policyscan.engine.runner import Engine
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors import safe_open
 
 from policyscan.engine.files import cached_sha256
 from policyscan.engine.config import PROJECTIONS, ModelConfig
 from policyscan.engine.errors import PolicyError
+from policyscan.engine.tensor_file import read_float_tensors
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
@@ -22,9 +21,9 @@ _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.def
 
 @dataclass(frozen=True)
 class LoraWeights:
-    """One adapter's factors: {(layer, proj): (A [r, in], B [out, r])} and each module's scale."""
+    """One adapter's factors: {(layer, proj): (A [r, in], B [out, r])}, float32, and each module's scale."""
 
-    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    factors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
     scales: dict[tuple[int, str], float]
 
     def rank(self, layer: int, proj: str) -> int:
@@ -119,14 +118,15 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
         raise PolicyError(f"{cfg_path}: modules_to_save={cfg['modules_to_save']} would change base weights; "
                           "policyscan only applies LoRA factors")
     factors: dict[tuple[int, str], list] = {}
-    with safe_open(w_path, framework="pt") as f:
-        for name in f.keys():
-            m = _KEY.search(name)
-            if m is None or m.group(2) not in PROJECTIONS:
-                raise PolicyError(f"{w_path}: tensor {name!r} is not a LoRA factor of "
-                                  f"{'/'.join(PROJECTIONS)}; policyscan cannot apply it")
-            slot = factors.setdefault((int(m.group(1)), m.group(2)), [None, None])
-            slot[0 if m.group(3) == "A" else 1] = _finite(f.get_tensor(name).float(), w_path, name)
+    for name, t in read_float_tensors(w_path).items():
+        m = _KEY.search(name)
+        if m is None or m.group(2) not in PROJECTIONS:
+            raise PolicyError(f"{w_path}: tensor {name!r} is not a LoRA factor of "
+                              f"{'/'.join(PROJECTIONS)}; policyscan cannot apply it")
+        if t.ndim != 2:
+            raise PolicyError(f"{w_path}: tensor {name!r} has shape {list(t.shape)}; a LoRA factor is a matrix")
+        slot = factors.setdefault((int(m.group(1)), m.group(2)), [None, None])
+        slot[0 if m.group(3) == "A" else 1] = _finite(t, w_path, name)
     alpha, rslora = float(cfg.get("lora_alpha", cfg.get("r", 8))), bool(cfg.get("use_rslora", False))
     out, scales = {}, {}
     for (layer, proj), (a, b) in factors.items():
@@ -142,20 +142,20 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
     return LoraWeights(out, scales), cached_sha256(w_path)  # remembered across runs (files.py)
 
 
-def _finite(t: torch.Tensor, w_path: Path, name: str) -> torch.Tensor:
+def _finite(t: np.ndarray, w_path: Path, name: str) -> np.ndarray:
     """NaN or Inf in a factor would make every score of the policy NaN (written as p = 0): refused at load. The
     sum is NaN or Inf whenever an element is (it may also overflow, then each element is looked at): W1's 3136
     factors took 0.47 s to check element by element, most of its policies' load. The sum is numpy's, in this
-    thread: torch's spreads each factor over its whole thread pool, and beside another process doing the same (a
+    thread: torch's spread each factor over its whole thread pool, and beside another process doing the same (a
     GPU worker reading the bundles as its parent does) W1's 3136 sums took 24 s on the H200 machine's 16 cores."""
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow only sends it to the element check
-        if np.isfinite(t.numpy().sum()):
+        if np.isfinite(t.sum()):
             return t
-    bad = ~torch.isfinite(t)
+    bad = ~np.isfinite(t)
     if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
         raise PolicyError(f"{w_path}: tensor {name!r} holds {int(bad.sum())} non-finite values (NaN or Inf), "
-                          f"first at {tuple(bad.nonzero()[0].tolist())}; the adapter is corrupt or its training "
-                          "diverged: retrain or restore it")
+                          f"first at {first}; the adapter is corrupt or its training diverged: retrain or restore it")
     return t
 
 

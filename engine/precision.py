@@ -8,7 +8,6 @@ import torch
 
 from policyscan.engine.policy import Policy
 
-PRECISIONS = ("auto", "fp8", "bf16", "fp32")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -17,9 +18,11 @@ from policyscan.engine.errors import InputError
 from policyscan.engine.jsonl import first_column, read_jsonl_range
 from policyscan.engine.pipeline import FileFailure, encoded_chunks
 from policyscan.engine.rows import Chunk, ReadSpec
-from policyscan.engine.runner import Engine
 from policyscan.engine.sources import (Lost, ParquetLayout, _lost, layout_chunk, parquet_layout,
                                       read_chunks)
+
+if TYPE_CHECKING:  # torch: the `score --ray` driver plans units without it
+    from policyscan.engine.runner import Engine
 
 # A unit's rows at most: small enough that a large row group is shared out between devices and that its results
 # wait in the parent's reorder buffer in little memory, large enough that handing it out costs nothing beside it.

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-PRELOAD = ["policyscan.engine.workers_proc"]
+PRELOAD = ["policyscan.engine.workers_proc", "policyscan.engine.runner"]
 
 
 def context():

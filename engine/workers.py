@@ -17,7 +17,7 @@ from pathlib import Path
 
 from policyscan.engine.errors import PolicyError, PolicyscanError
 from policyscan.engine.policy import Policy, fingerprint
-from policyscan.engine.runner import EngineSettings
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.units import Unit
 from policyscan.engine.worker_start import context
 from policyscan.engine.workers_proc import worker_main

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,9 +18,11 @@ from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.pipeline import Accounting, FileFailure, StrictStop, _hashes, _prefetch, _score_chunk
 from policyscan.engine.rows import PartialFileError
 from policyscan.engine.policy import fingerprint, load_policies
-from policyscan.engine.runner import Engine
 from policyscan.engine.units import unit_items
 from policyscan.engine.worker_start import apply_env
+
+if TYPE_CHECKING:  # torch: imported where the worker starts, so that the Ray driver can take Failed without it
+    from policyscan.engine.runner import Engine
 
 KILL_ENV = "POLICYSCAN_TEST_KILL"  # tests only: "2,5*" SIGKILLs the worker starting unit 2 on its first try, 5 on any
 _END = object()  # a unit's last item
@@ -91,6 +94,8 @@ def worker_main(conn: Connection, config, slot: int, env: dict[str, str]) -> Non
             conn.send(msg)
 
     try:
+        from policyscan.engine.runner import Engine  # the fork server imported it already (worker_start.PRELOAD)
+
         policies = load_policies(list(config.policies))
         engine = Engine(config.model_dir, policies, config.settings)
     except Exception as e:

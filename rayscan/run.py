@@ -31,7 +31,7 @@ from policyscan.engine.pipeline import (Accounting, OutputSpec, _file_failure, _
                                         open_outputs, run_key, up_to_date)
 from policyscan.engine.policy import Policy
 from policyscan.engine.rows import Chunk, ReadSpec
-from policyscan.engine.runner import EngineSettings
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.units import plan_units
 from policyscan.engine.workers_proc import Failed
 from policyscan.ray.read import ERROR, SOURCE, TEXT, pack, read_units, unpack
@@ -78,9 +78,9 @@ class RayRun:
 
 def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings: EngineSettings, jobs: list[Job],
                  spec: ReadSpec, out: OutputSpec, per_input: bool, workers: int, devices: str,
-                 progress: bool) -> tuple[Accounting, RayRun]:
+                 progress: bool) -> Accounting:
     """Score `jobs` on the cluster at `address` ("": RAY_ADDRESS, else the cluster `ray start` began here, else a
-    new local one; the one this process already joined, if any); returns the total accounting and the run."""
+    new local one; the one this process already joined, if any); returns the total accounting."""
     ray, joined = _connect(address)
     actors, gpus, cpus = _actors(ray, settings, workers, devices)
     model = str(model_dir.resolve())
@@ -121,7 +121,7 @@ def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings
         ds.context.enable_progress_bars = progress
         batches = (t for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for t in unpack(b))
     try:
-        return _write(ray, batches, todo, job_of, run, spec, out, per_input), run
+        return _write(ray, batches, todo, job_of, run, spec, out, per_input)
     finally:
         if joined:  # left to exit, Ray's own shutdown took 1.4-1.5 s of a run on a CPU, 0.3 s here
             ray.shutdown()

@@ -22,7 +22,7 @@ from policyscan.engine.errors import InputError
 from policyscan.engine.pipeline import Accounting, _score_chunk, encode_chunk
 from policyscan.engine.policy import Policy, load_policies
 from policyscan.engine.rows import Chunk, ReadSpec, clip, conversation, pick_column
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.workers_proc import _Recorder
 
 KILL_ENV = "POLICYSCAN_TEST_RAY_KILL"  # tests only: a file; an actor at its second batch while it exists is killed
@@ -64,6 +64,8 @@ class PolicyScorer:
         self.path_column, self.row_column, self.error_column = path_column, row_column, error_column
         self.raw, self.truncation, self.provenance = raw, truncation, provenance
         self.checked = checked  # texts already checked and rendered by policyscan's readers (score --ray)
+        from policyscan.engine.runner import Engine  # torch: in the actor; the driver and the read tasks go without
+
         self.engine = Engine(Path(model), pols, settings)
         self.names = [p.name for p in self.engine.policies]
         self.budgets = np.array([b.budget for b in self.engine.builders], dtype=np.int64)

@@ -144,7 +144,8 @@ def test_calibrate_names_a_labeled_row_the_tokenizer_drops(tmp_path):
     from policyscan.calibration.labeled import score_labeled
     from policyscan.engine.errors import InputError
     from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.runner import Engine
+    from policyscan.engine.settings import EngineSettings
     from policyscan.engine.sources import ReadSpec
 
     engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"])[:1], EngineSettings("cpu", max_length=256))

@@ -193,7 +193,8 @@ def test_many_chunks_and_two_inputs_into_one_output(tmp_path, sample_slice):
     """Chunked reading and writing keep every row, in order, across chunks and files."""
     from policyscan.engine.pipeline import OutputSpec, score_inputs
     from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.runner import Engine
+    from policyscan.engine.settings import EngineSettings
     from policyscan.engine.sources import ReadSpec
 
     engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", batch_tokens=4096))

@@ -78,7 +78,8 @@ def test_a_text_the_tokenizer_drops_is_an_error_row(tmp_path):
     """Some tokenizers normalize a text to nothing; with no BOS or template that would be an empty prompt."""
     from policyscan.engine.pipeline import OutputSpec, score_inputs
     from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.runner import Engine
+    from policyscan.engine.settings import EngineSettings
     from policyscan.engine.sources import ReadSpec
 
     engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", max_length=256))

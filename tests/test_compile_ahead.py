@@ -22,7 +22,8 @@ import numpy as np, triton
 from policyscan.engine.compile_ahead import Variant, _marker_dir
 from policyscan.engine.policy import load_policies
 from policyscan.engine import runner
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine
+from policyscan.engine.settings import EngineSettings
 
 model, policies, ahead = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 after_load, dry_run_after = [], runner._compile_after_load  # the fallback, when the shaped decoder failed

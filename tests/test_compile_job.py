@@ -107,7 +107,7 @@ def test_the_engine_never_fails_for_compile_ahead_and_keeps_its_children_for_the
     load; a compile-ahead that fails after the load reports nothing and ends them (the kernels then compile at
     launch)."""
     from policyscan.engine import runner
-    from policyscan.engine.runner import EngineSettings
+    from policyscan.engine.settings import EngineSettings
 
     def no_shapes(*args):
         raise RuntimeError("cannot build it")
@@ -158,7 +158,7 @@ def test_of_the_variants_waiting_the_slowest_kernels_are_handed_out_first(fake):
 
 def test_ctrl_c_in_the_compile_after_the_load_ends_the_workers(fake, monkeypatch):
     from policyscan.engine import runner
-    from policyscan.engine.runner import EngineSettings
+    from policyscan.engine.settings import EngineSettings
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

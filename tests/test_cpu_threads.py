@@ -16,7 +16,8 @@ from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.loader import attach_policies, load_decoder
 from policyscan.engine.policy import load_policy
 from policyscan.engine.precision import Precision
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine
+from policyscan.engine.settings import EngineSettings
 from policyscan.kernels import cpu_rows, reference
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"

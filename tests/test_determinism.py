@@ -101,7 +101,8 @@ def test_gpu_scores_are_bitwise_equal_across_processes(tmp_path, n_policies, row
 def test_gpu_f_does_not_depend_on_batch_tokens_or_graphs(tmp_path, precision):
     """64 policies, through the Engine: every budget, with and without CUDA graphs, bitwise the same f."""
     from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.runner import Engine
+    from policyscan.engine.settings import EngineSettings
 
     model, policies = bundle(tmp_path, 64, **DEEP)
     pols = load_policies([policies])

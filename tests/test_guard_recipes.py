@@ -19,7 +19,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from policyscan.engine.errors import PolicyError
 from policyscan.engine.policy import load_policy
 from policyscan.engine.prompts import PromptBuilder, TextEncoder
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine
+from policyscan.engine.settings import EngineSettings
 
 GUARDS = Path(__file__).resolve().parent.parent / "examples" / "guards"
 

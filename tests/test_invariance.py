@@ -80,7 +80,8 @@ def test_prefix_cache_is_bitwise_recompute(device, precision):
 
     from policyscan.engine.policy import load_policies
     from policyscan.engine.prompts import render_messages
-    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.runner import Engine
+    from policyscan.engine.settings import EngineSettings
 
     sample = Path(__file__).resolve().parent.parent / "sample_data"
     pols = load_policies([sample / "policies"])

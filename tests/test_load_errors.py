@@ -157,7 +157,8 @@ def test_batch_tokens_beyond_32bit_offsets_is_refused_at_load():
 
     from policyscan.engine.errors import PolicyscanError
     from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.runner import Engine
+    from policyscan.engine.settings import EngineSettings
 
     sample = Path(__file__).resolve().parent.parent / "sample_data"
     widest = 352  # the sample model's intermediate size: wider than hidden (128) and qkv ((4 + 2 * 2) * 32)

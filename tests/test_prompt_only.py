@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from policyscan.cli.main import cli
 from policyscan.engine.errors import PolicyError
 from policyscan.engine.policy import load_policies, load_policy
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.sinks import read_metadata
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"

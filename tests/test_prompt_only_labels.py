@@ -12,7 +12,8 @@ from policyscan.cli.main import cli
 from policyscan.engine.errors import PolicyError
 from policyscan.engine.policy import load_policies, load_policy
 from policyscan.engine.prompts import TextEncoder
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine
+from policyscan.engine.settings import EngineSettings
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 

@@ -48,7 +48,8 @@ def test_cpu_fp32_matches_transformers_on_a_real_model(tmp_path, smollm2):
     import transformers as tf
 
     from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.runner import Engine
+    from policyscan.engine.settings import EngineSettings
 
     # 10 conversations, 20 prompts: 20 conversations took 34 s of a 2-core machine's test run, for no new case
     rows = pq.read_table(ROOT / "sample_data" / "conversations.parquet").slice(0, 10).to_pylist()
@@ -90,7 +91,8 @@ def test_gpu_on_a_real_model_within_its_cpu_twin(tmp_path, smollm2, precision):
     import transformers as tf
 
     from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine, EngineSettings
+    from policyscan.engine.runner import Engine
+    from policyscan.engine.settings import EngineSettings
 
     pols = load_policies(prompt_only(tmp_path))
     cpu = Engine(smollm2, pols, EngineSettings("cpu", "fp32"))

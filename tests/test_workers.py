@@ -20,7 +20,8 @@ import pytest
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.pipeline import OutputSpec, score_inputs
 from policyscan.engine.policy import load_policies
-from policyscan.engine.runner import Engine, EngineSettings
+from policyscan.engine.runner import Engine
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.sources import ReadSpec
 from policyscan.engine.sources import read_chunks
 from policyscan.engine.units import LineRange, RowSlice, plan_units, range_lines, unit_chunks
@@ -239,7 +240,7 @@ import signal, sys
 from pathlib import Path
 from policyscan.engine.pipeline import OutputSpec
 from policyscan.engine.policy import load_policies
-from policyscan.engine.runner import EngineSettings
+from policyscan.engine.settings import EngineSettings
 from policyscan.engine.sources import ReadSpec
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
