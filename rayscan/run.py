@@ -9,11 +9,10 @@ loads an Engine to take."""
 from __future__ import annotations
 
 import json
-import logging
-import re
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -34,11 +33,11 @@ from policyscan.engine.rows import Chunk, ReadSpec
 from policyscan.engine.settings import EngineSettings
 from policyscan.engine.units import plan_units
 from policyscan.engine.workers_proc import Failed
+from policyscan.ray.cluster import actors, connect, probe, unwrap
 from policyscan.ray.read import ERROR, SOURCE, TEXT, pack, read_units, unpack
 from policyscan.ray.scorer import PolicyScorer
 
 RETRIES = 3  # runs of a batch after the first, each after its actor died (Ray's default: without end)
-ADDRESS = re.compile(r"auto|local|ray://\S+|[^\s/:]+:\d+")
 
 
 class RayRun:
@@ -76,20 +75,39 @@ class RayRun:
         return self._seen[1]
 
 
-def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings: EngineSettings, jobs: list[Job],
-                 spec: ReadSpec, out: OutputSpec, per_input: bool, workers: int, devices: str,
-                 progress: bool) -> Accounting:
-    """Score `jobs` on the cluster at `address` ("": RAY_ADDRESS, else the cluster `ray start` began here, else a
-    new local one; the one this process already joined, if any); returns the total accounting."""
-    ray, joined = _connect(address)
-    actors, gpus, cpus = _actors(ray, settings, workers, devices)
+def score_on_ray(address: str, prepare: Callable[[], tuple[list[Policy], list[Job]]], model_dir: Path,
+                 settings: EngineSettings, spec: ReadSpec, out: OutputSpec, per_input: bool, workers: int, devices: str,
+                 progress: bool) -> tuple[Accounting, list[Policy]]:
+    """Score on the cluster at `address` ("": RAY_ADDRESS, else the cluster `ray start` began here, else a new
+    local one; the one this process already joined, if any) the jobs that `prepare` plans, with the policies it
+    reads; returns the total accounting and the policies. prepare runs in a thread beside the connect: after it,
+    W1's driver connected 0.7 s later, and the actor's start waits on the connect."""
+    with ThreadPoolExecutor(1, thread_name_prefix="policyscan-prepare") as pool:
+        prepared = pool.submit(prepare)
+        try:
+            ray, joined = connect(address)
+        except BaseException:
+            prepared.result()  # its error first: it is about this command line's own files
+            raise
+    try:
+        policies, jobs = prepared.result()
+        return _run(ray, model_dir, policies, settings, jobs, spec, out, per_input, workers, devices,
+                    progress), policies
+    finally:
+        if joined:  # left to exit, Ray's own shutdown took 1.4-1.5 s of a run on a CPU, 0.3 s here
+            ray.shutdown()
+
+
+def _run(ray, model_dir: Path, policies: list[Policy], settings: EngineSettings, jobs: list[Job], spec: ReadSpec,
+         out: OutputSpec, per_input: bool, workers: int, devices: str, progress: bool) -> Accounting:
+    actors_, gpus, cpus = actors(ray, settings, workers, devices)
     model = str(model_dir.resolve())
     bundles = [str(p.path.resolve()) for p in policies]
-    run = RayRun(policies, partial(_probe, ray, model, bundles, settings, gpus, cpus),
-                 {"ray_version": ray.__version__, "actors": actors, "gpus_per_actor": gpus})
+    run = RayRun(policies, partial(probe, ray, model, bundles, settings, gpus, cpus),
+                 {"ray_version": ray.__version__, "actors": actors_, "gpus_per_actor": gpus})
     each = f"{gpus:g} GPU" if gpus else f"{cpus:g} CPU"
     click.echo(f"policyscan: {len(policies)} policies ({', '.join(p.name for p in policies)}) on {model_dir} [Ray: "
-               f"up to {actors} actor{'s' * (actors > 1)}, {each} each]", err=True)
+               f"up to {actors_} actor{'s' * (actors_ > 1)}, {each} each]", err=True)
     todo = []
     for job in jobs:
         sha = file_sha256(job.files[0]) if per_input else None
@@ -115,16 +133,12 @@ def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings
         with warnings.catch_warnings():  # Ray 2.60 deprecates these two arguments and names nothing in their place
             warnings.simplefilter("ignore", DeprecationWarning)
             ds = ds.map_batches(_ChunkScorer, fn_constructor_kwargs=kwargs, batch_size=1, batch_format="pyarrow",
-                                compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors), num_gpus=gpus,
+                                compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors_), num_gpus=gpus,
                                 num_cpus=cpus, max_restarts=-1, max_task_retries=RETRIES)
         ds.context.execution_options.preserve_order = True  # the outputs' rows in input order
         ds.context.enable_progress_bars = progress
         batches = (t for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for t in unpack(b))
-    try:
-        return _write(ray, batches, todo, job_of, run, spec, out, per_input)
-    finally:
-        if joined:  # left to exit, Ray's own shutdown took 1.4-1.5 s of a run on a CPU, 0.3 s here
-            ray.shutdown()
+    return _write(ray, batches, todo, job_of, run, spec, out, per_input)
 
 
 class _ChunkScorer(PolicyScorer):
@@ -148,7 +162,7 @@ def _write(ray, batches, todo: list[tuple[Job, list[str] | None]], job_of: list[
             while True:
                 if pending is None:
                     t = time.perf_counter()
-                    pending = _unwrap(ray, lambda: next(batches, None))
+                    pending = unwrap(ray, lambda: next(batches, None))
                     current.acc.input_wait_seconds += time.perf_counter() - t
                     if pending is None:
                         break
@@ -240,65 +254,3 @@ class _Output:
 def _sum(column: pa.ChunkedArray) -> int:
     """Of a count or flag column, nulls as 0."""
     return int(pc.sum(column).as_py() or 0)
-
-
-def _connect(address: str):
-    """Ray, connected: (the module, whether this call joined the cluster)."""
-    if address and not ADDRESS.fullmatch(address):
-        raise click.UsageError(f"--ray {address}: not a Ray address (auto, local, HOST:PORT, ray://HOST:PORT); for "
-                               "the cluster RAY_ADDRESS or `ray start` names, put --ray after the inputs")
-    try:
-        import ray
-        import ray.data
-    except ImportError as e:
-        raise click.UsageError("--ray needs Ray Data: pip install 'policyscan[ray]'") from e
-    if ray.is_initialized():
-        return ray, False  # the host application's connection, left to it
-    ray.init(address=address or None, logging_level=logging.WARNING)
-    return ray, True
-
-
-def _actors(ray, settings: EngineSettings, workers: int, devices: str) -> tuple[int, float, float]:
-    """(actors at most, GPUs each, CPUs each): one actor a GPU of the cluster, or --workers on the CPU."""
-    if devices != "all":
-        raise click.UsageError("--devices picks GPUs of this host; with --ray every GPU of the cluster gets an actor")
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if settings.device == "cpu" or (settings.device == "auto" and not gpus):
-        return workers, 0.0, float(settings.threads or 1)
-    if settings.device not in ("auto", "cuda"):
-        raise click.UsageError(f"--device {settings.device} names a GPU of this host; with --ray use --device cuda "
-                               "or auto (Ray gives each actor its GPU)")
-    if workers > 1:
-        raise click.UsageError("--workers is for the CPU (--device cpu); with --ray each GPU of the cluster gets "
-                               "one actor")
-    if not gpus:
-        raise click.UsageError("--device cuda: the Ray cluster has no GPU; use --device cpu")
-    return gpus, 1.0, 1.0
-
-
-def _probe(ray, model: str, bundles: list[str], settings: EngineSettings, gpus: float,
-           cpus: float) -> tuple[dict, dict]:
-    """An actor's report, from a task on the cluster that loads the Engine as an actor does."""
-    task = ray.remote(num_gpus=gpus, num_cpus=cpus)(_report)
-    report = json.loads(_unwrap(ray, lambda: ray.get(task.remote(model, bundles, settings))))
-    return report["describe"], report["model_files"]
-
-
-def _report(model: str, bundles: list[str], settings: EngineSettings) -> str:
-    return PolicyScorer(model, bundles, settings).report()
-
-
-def _unwrap(ray, call: Callable):
-    """call(), a PolicyscanError raised on the cluster raised here as it is (the CLI prints it in one line); any
-    other failure of the run in one line too (Ray has logged its traceback)."""
-    try:
-        return call()
-    except ray.exceptions.RayError as e:
-        cause: BaseException | None = e
-        while cause is not None:
-            if isinstance(cause, PolicyscanError) and not isinstance(cause, ray.exceptions.RayError):
-                raise cause from None
-            inner = getattr(cause, "cause", None)  # a RayTaskError's: the exception its task raised
-            cause = inner if isinstance(inner, BaseException) else cause.__cause__
-        last = next((line.strip() for line in reversed(str(e).splitlines()) if line.strip()), type(e).__name__)
-        raise PolicyscanError(f"the Ray run failed ({type(e).__name__}): {last}") from e

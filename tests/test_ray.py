@@ -11,11 +11,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from cli_cases import SAMPLE, run  # noqa: E402
+from policyscan.cli.main import cli  # noqa: E402
 from policyscan.engine.settings import EngineSettings  # noqa: E402
 from policyscan.ray import PolicyScorer  # noqa: E402
 from policyscan.ray.scorer import KILL_ENV  # noqa: E402
@@ -158,3 +160,12 @@ def test_policy_scorer_forms_file_row_ids_and_passes_upstream_errors_through():
     assert out["prompt_tokens"].to_pylist()[1::2] == [0, 0] and min(out["prompt_tokens"].to_pylist()[::2]) > 0
     with pytest.raises(Exception, match="no column 'id', nor 'path' and 'row'"):
         scorer(batch.drop_columns(["row"]))
+
+
+def test_a_bad_policy_stops_the_ray_run_before_anything_is_submitted(arm, inputs, tmp_path):
+    """The policies are read beside the connect: their error is the run's, and this process's own connection (a
+    host application's, here the module's cluster) is left as it was."""
+    res = CliRunner().invoke(cli, ["score", str(inputs[0]), "-o", f"{tmp_path}/", *CPU, "--policies",
+                                   str(tmp_path / "nowhere"), "--ray"])
+    assert res.exit_code == 1 and "nowhere: no such policy bundle or folder" in res.output
+    assert ray.is_initialized() and not list(tmp_path.iterdir())
