@@ -10,6 +10,7 @@ first path (by id); a markdown table last.
 
     python bench/scaleout.py --workload W1 [--dir /tmp/e2e] [--paths cli,workers,ray]
     python bench/scaleout.py --workload T1 --device cpu      # a dry run on a CPU (one worker, one CPU actor)
+    python bench/scaleout.py --workload W1 --scale 4         # W1's conversations 4 times over (ids made unique)
 
 The model, bundles and Parquet input are bench/e2e.py's (its prepare(); the same --dir shares
 its model). An untimed `policyscan score` first fills Triton's disk cache and the page cache, so no path pays
@@ -39,6 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -96,7 +99,7 @@ def run_path(path: str, root: Path, src: Path, device: str, address: str | None 
         if line.startswith(("time ", "worker processes that died")):
             print(f"  {path}: {line}", flush=True)
     m = SUMMARY.search(res.stdout)
-    assert pq.read_metadata(out).num_rows == WORKLOADS[src.stem].conversations
+    assert pq.read_metadata(out).num_rows == pq.read_metadata(src).num_rows
     return Result(path, out, int(m.group(1).replace(",", "")), float(m.group(2)), wall)
 
 
@@ -118,6 +121,20 @@ def start_ray(device: str) -> str:
     return address
 
 
+def scaled(src: Path, n: int) -> Path:
+    """The input `n` times over in one file, each copy's ids suffixed #k: a longer job on the same model, where a
+    path's fixed start-up weighs less."""
+    if n == 1:
+        return src
+    out = src.with_name(f"{src.stem}x{n}.parquet")
+    t = pq.read_table(src)
+    ids = t["id"].cast(pa.string())
+    copies = [t.set_column(t.schema.get_field_index("id"), "id", pc.binary_join_element_wise(ids, f"#{k}", ""))
+              for k in range(n)]
+    pq.write_table(pa.concat_tables(copies), out)
+    return out
+
+
 def table(results: list[Result]) -> str:
     ref = results[0]
     tag = LABELS[ref.path][:3]  # "(a)" unless --paths starts elsewhere
@@ -133,6 +150,7 @@ def main() -> None:
     ap.add_argument("--workload", default="W1", choices=sorted(WORKLOADS))
     ap.add_argument("--dir", type=Path, default=Path("/tmp/e2e"), help="shared with bench/e2e.py: one model build")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--scale", type=int, default=1, help="score the workload's input this many times over")
     ap.add_argument("--paths", default="cli,workers,ray",
                     help="a subset of cli,workers,ray, run in this order; the first is the reference")
     args = ap.parse_args()
@@ -144,6 +162,7 @@ def main() -> None:
     if args.device == "cuda":  # one GPU for every path (and the Ray cluster) on a host with more
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     root, src = prepare(args.dir, args.workload, args.device)
+    src = scaled(src, args.scale)
     warm = run_path("cli", root, src, args.device)
     print(f"warm-up (untimed): policyscan score in {warm.wall:.1f} s", flush=True)
 
@@ -169,7 +188,8 @@ def main() -> None:
             raise SystemExit(f"{LABELS[r.path]}: p_ columns or prompt tokens differ from {LABELS[results[0].path]}'s")
         print(f"{LABELS[r.path]}: p_ columns ({len(ref)}) bitwise those of {LABELS[results[0].path]}, "
               f"{len(ids)} ids", flush=True)
-    print(f"\n{args.workload} on one {args.device.upper()} device, {results[0].tokens:,} prompt tokens\n")
+    times = f" x{args.scale}" if args.scale > 1 else ""
+    print(f"\n{args.workload}{times} on one {args.device.upper()} device, {results[0].tokens:,} prompt tokens\n")
     print(table(results))
 
 

@@ -88,32 +88,23 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
                               chat_template=template_arg(chat_template), threads=threads, fp8_flip_limit=fp8_flip_limit)
     progress = not no_progress and _is_terminal()
-
-    def prepare() -> tuple[list[Policy], list[Job]]:
-        """The policies read, the outputs planned and checked, the chat template settled."""
+    slots = None if ray_address is not None else _worker_devices(device, devices, workers)
+    # the workers load the model while this process reads the policies and checks the inputs (done first, they
+    # delayed W1's one-GPU worker by 0.55 s); pool.expect checks that the workers read the same policies
+    with WorkerPool(WorkerConfig(model_dir, bundles, settings, slots)) if slots else contextlib.nullcontext() as pool:
         pols = load_policies(list(bundles))
         jobs = plan_jobs(files, output, per_input, fmt, errors_path)
         check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
         resolve_chat_template(model_dir, chat_template, pols, files, spec)
-        return pols, jobs
+        if ray_address is not None:
+            from policyscan.ray.run import score_on_ray
 
-    if ray_address is not None:
-        from policyscan.ray.run import score_on_ray
-
-        total, pols = score_on_ray(ray_address, prepare, model_dir, settings, spec, out, per_input, workers, devices,
-                                   progress)
-        _summary(pols, total, [])
-        sys.exit(_exit_status(total))
-    slots = _worker_devices(device, devices, workers)
-    # the workers load the model while this process reads the policies and checks the inputs (done first, they
-    # delayed W1's one-GPU worker by 0.55 s); pool.expect checks that the workers read the same policies
-    with WorkerPool(WorkerConfig(model_dir, bundles, settings, slots)) if slots else contextlib.nullcontext() as pool:
-        total = _score(pool, *prepare(), model_dir, settings, spec, out, per_input, progress)
-    sys.exit(_exit_status(total))
-
-
-def _exit_status(total: Accounting) -> int:
-    return EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK
+            total = score_on_ray(ray_address, model_dir, pols, settings, jobs, spec, out, per_input, workers,
+                                 devices, progress)
+            _summary(pols, total, [])
+        else:
+            total = _score(pool, pols, jobs, model_dir, settings, spec, out, per_input, progress)
+    sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
 
 
 def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_dir: Path, settings: EngineSettings,

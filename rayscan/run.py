@@ -12,7 +12,6 @@ import json
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -75,24 +74,14 @@ class RayRun:
         return self._seen[1]
 
 
-def score_on_ray(address: str, prepare: Callable[[], tuple[list[Policy], list[Job]]], model_dir: Path,
-                 settings: EngineSettings, spec: ReadSpec, out: OutputSpec, per_input: bool, workers: int, devices: str,
-                 progress: bool) -> tuple[Accounting, list[Policy]]:
-    """Score on the cluster at `address` ("": RAY_ADDRESS, else the cluster `ray start` began here, else a new
-    local one; the one this process already joined, if any) the jobs that `prepare` plans, with the policies it
-    reads; returns the total accounting and the policies. prepare runs in a thread beside the connect: after it,
-    W1's driver connected 0.7 s later, and the actor's start waits on the connect."""
-    with ThreadPoolExecutor(1, thread_name_prefix="policyscan-prepare") as pool:
-        prepared = pool.submit(prepare)
-        try:
-            ray, joined = connect(address)
-        except BaseException:
-            prepared.result()  # its error first: it is about this command line's own files
-            raise
+def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings: EngineSettings, jobs: list[Job],
+                 spec: ReadSpec, out: OutputSpec, per_input: bool, workers: int, devices: str,
+                 progress: bool) -> Accounting:
+    """Score `jobs` on the cluster at `address` ("": RAY_ADDRESS, else the cluster `ray start` began here, else a
+    new local one; the one this process already joined, if any); returns the total accounting."""
+    ray, joined = connect(address)
     try:
-        policies, jobs = prepared.result()
-        return _run(ray, model_dir, policies, settings, jobs, spec, out, per_input, workers, devices,
-                    progress), policies
+        return _run(ray, model_dir, policies, settings, jobs, spec, out, per_input, workers, devices, progress)
     finally:
         if joined:  # left to exit, Ray's own shutdown took 1.4-1.5 s of a run on a CPU, 0.3 s here
             ray.shutdown()

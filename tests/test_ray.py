@@ -163,8 +163,8 @@ def test_policy_scorer_forms_file_row_ids_and_passes_upstream_errors_through():
 
 
 def test_a_bad_policy_stops_the_ray_run_before_anything_is_submitted(arm, inputs, tmp_path):
-    """The policies are read beside the connect: their error is the run's, and this process's own connection (a
-    host application's, here the module's cluster) is left as it was."""
+    """The policies' error is the run's, and this process's own connection to Ray (a host application's, here the
+    module's cluster) is left as it was."""
     res = CliRunner().invoke(cli, ["score", str(inputs[0]), "-o", f"{tmp_path}/", *CPU, "--policies",
                                    str(tmp_path / "nowhere"), "--ray"])
     assert res.exit_code == 1 and "nowhere: no such policy bundle or folder" in res.output
