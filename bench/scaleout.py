@@ -78,9 +78,10 @@ class Result:
         return self.tokens / self.seconds
 
 
-def run_path(path: str, root: Path, src: Path, device: str, address: str | None = None) -> Result:
-    """One `policyscan score` in a fresh process, timed from launch to exit."""
-    out = root / f"scaleout-{path}.parquet"
+def run_path(path: str, root: Path, src: Path, device: str, address: str | None = None, run: str = "") -> Result:
+    """One `policyscan score` in a fresh process, timed from launch to exit; its output named by `run` (each run
+    of a path kept, for the comparison after them all)."""
+    out = root / f"scaleout-{run or path}.parquet"
     for f in (out, out.with_name(out.name + ".errors.jsonl")):  # so the bits compared are this run's
         f.unlink(missing_ok=True)
     launcher = root / f"scaleout_{path}.py"
@@ -157,6 +158,8 @@ def main() -> None:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or set(paths) - set(LABELS):
         ap.error(f"--paths: a comma-separated subset of {','.join(LABELS)}")
+    if args.scale < 1:
+        ap.error("--scale: 1 or more")
     if "ray" in paths and importlib.util.find_spec("ray") is None:  # say so before minutes of other runs
         ap.error("--paths ray needs Ray Data: pip install 'policyscan[ray]'")
     if args.device == "cuda":  # one GPU for every path (and the Ray cluster) on a host with more
@@ -170,7 +173,7 @@ def main() -> None:
     for path in paths:
         address = start_ray(args.device) if path == "ray" else None
         try:
-            r = run_path(path, root, src, args.device, address)
+            r = run_path(path, root, src, args.device, address, f"{len(results)}-{path}")
         finally:
             if address:
                 import ray

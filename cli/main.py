@@ -6,8 +6,8 @@ import sys
 
 from policyscan.engine import compile_start, worker_start
 
-# before the imports below (torch): workers fork from a server importing in parallel, and on a fresh machine the
-# kernels' compiling workers import beside them too
+# first, before the command's own imports (torch): workers fork from a server importing in parallel, and on a fresh
+# machine the kernels' compiling workers import beside them too
 worker_start.prestart(sys.argv[1:])
 compile_start.prestart(sys.argv[1:])
 
@@ -24,7 +24,7 @@ COMMANDS = {"score": "score:score", "calibrate": "calibrate:calibrate", "quantiz
 
 class _Commands(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return list(COMMANDS)
+        return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:

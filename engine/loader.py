@@ -153,27 +153,25 @@ def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tu
 
 
 def factors_on(policies: list[Policy], device: torch.device, values: bool = True) -> list[dict]:
-    """Each policy's factors {(layer, proj): (A, B)} on `device`, through one copy per policy and dtype: a copy
+    """Each policy's factors {(layer, proj): (A, B)} on `device`, float32, through one copy per policy: a copy
     per factor (W1: 3,136) waited for the GPU each time, 3.8-4.6 s beside the compiling workers' start; now
     W1's 780 MB (fp32) take 0.5 s idle, 2.1 s beside them (a pinned buffer took as long).
 
-    values False: the same shapes and dtypes, every element 1, copying nothing: a shaped decoder's stacks (the
+    values False: the same shapes, every element 1, copying nothing: a shaped decoder's stacks (the
     compile-ahead dry run's), whose rank spans follow which blocks of B the stacking leaves zero. Only B zero
     over a span's edge ranks in every policy (adapters saved untrained, say) could narrow the real spans: that
     only leaves a variant to compile at its first launch."""
+    # as_tensor: numpy factors as load_policy reads them (no copy), or tensors a caller built its Policy with
     if device.type == "cpu" and values:
-        return [{k: (torch.from_numpy(a), torch.from_numpy(b)) for k, (a, b) in p.lora.factors.items()}
+        return [{k: (torch.as_tensor(a), torch.as_tensor(b)) for k, (a, b) in p.lora.factors.items()}
                 for p in policies]
     out = []
     for p in policies:
-        flat = [torch.from_numpy(t) for ab in p.lora.factors.values() for t in ab]
-        moved: dict[int, torch.Tensor] = {}
-        for dtype in {t.dtype for t in flat}:
-            same = [i for i, t in enumerate(flat) if t.dtype == dtype]
-            sizes = [flat[i].numel() for i in same]
-            whole = torch.cat([flat[i].reshape(-1) for i in same]).to(device) if values else \
-                torch.ones(sum(sizes), dtype=dtype, device=device)
-            moved.update({i: part.view(flat[i].shape) for i, part in zip(same, whole.split(sizes))})
+        flat = [torch.as_tensor(t, dtype=torch.float32) for ab in p.lora.factors.values() for t in ab]
+        sizes = [t.numel() for t in flat]
+        whole = torch.cat([t.reshape(-1) for t in flat]).to(device) if values else \
+            torch.ones(sum(sizes), dtype=torch.float32, device=device)
+        moved = [part.view(t.shape) for t, part in zip(flat, whole.split(sizes))]
         out.append({key: (moved[2 * n], moved[2 * n + 1]) for n, key in enumerate(p.lora.factors)})
     return out
 

@@ -13,7 +13,7 @@ import numpy as np
 from policyscan.engine.files import cached_sha256
 from policyscan.engine.config import PROJECTIONS, ModelConfig
 from policyscan.engine.errors import PolicyError
-from policyscan.engine.tensor_file import read_float_tensors
+from policyscan.engine.tensor_file import TensorFile
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
@@ -118,11 +118,13 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
         raise PolicyError(f"{cfg_path}: modules_to_save={cfg['modules_to_save']} would change base weights; "
                           "policyscan only applies LoRA factors")
     factors: dict[tuple[int, str], list] = {}
-    for name, t in read_float_tensors(w_path).items():
+    weights = TensorFile(w_path)
+    for name in weights.names:
         m = _KEY.search(name)
         if m is None or m.group(2) not in PROJECTIONS:
             raise PolicyError(f"{w_path}: tensor {name!r} is not a LoRA factor of "
                               f"{'/'.join(PROJECTIONS)}; policyscan cannot apply it")
+        t = weights.float32(name)
         if t.ndim != 2:
             raise PolicyError(f"{w_path}: tensor {name!r} has shape {list(t.shape)}; a LoRA factor is a matrix")
         slot = factors.setdefault((int(m.group(1)), m.group(2)), [None, None])

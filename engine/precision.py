@@ -9,7 +9,6 @@ import torch
 from policyscan.engine.policy import Policy
 
 
-
 @dataclass(frozen=True)
 class Precision:
     """dtype: activations, norms, LoRA factors, embeddings and the residual stream.
