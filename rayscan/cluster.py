@@ -32,7 +32,7 @@ def connect(address: str):
     return ray, True
 
 
-def actors(ray, settings: EngineSettings, workers: int, devices: str) -> tuple[int, float, float]:
+def plan_actors(ray, settings: EngineSettings, workers: int, devices: str) -> tuple[int, float, float]:
     """(actors at most, GPUs each, CPUs each): one actor a GPU of the cluster, or --workers on the CPU."""
     if devices != "all":
         raise click.UsageError("--devices picks GPUs of this host; with --ray every GPU of the cluster gets an actor")

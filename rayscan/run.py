@@ -32,7 +32,7 @@ from policyscan.engine.rows import Chunk, ReadSpec
 from policyscan.engine.settings import EngineSettings
 from policyscan.engine.units import plan_units
 from policyscan.engine.workers_proc import Failed
-from policyscan.ray.cluster import actors, connect, probe, unwrap
+from policyscan.ray.cluster import connect, plan_actors, probe, unwrap
 from policyscan.ray.read import ERROR, SOURCE, TEXT, pack, read_units, unpack
 from policyscan.ray.scorer import PolicyScorer
 
@@ -89,14 +89,14 @@ def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings
 
 def _run(ray, model_dir: Path, policies: list[Policy], settings: EngineSettings, jobs: list[Job], spec: ReadSpec,
          out: OutputSpec, per_input: bool, workers: int, devices: str, progress: bool) -> Accounting:
-    actors_, gpus, cpus = actors(ray, settings, workers, devices)
+    actors, gpus, cpus = plan_actors(ray, settings, workers, devices)
     model = str(model_dir.resolve())
     bundles = [str(p.path.resolve()) for p in policies]
     run = RayRun(policies, partial(probe, ray, model, bundles, settings, gpus, cpus),
-                 {"ray_version": ray.__version__, "actors": actors_, "gpus_per_actor": gpus})
+                 {"ray_version": ray.__version__, "actors": actors, "gpus_per_actor": gpus})
     each = f"{gpus:g} GPU" if gpus else f"{cpus:g} CPU"
     click.echo(f"policyscan: {len(policies)} policies ({', '.join(p.name for p in policies)}) on {model_dir} [Ray: "
-               f"up to {actors_} actor{'s' * (actors_ > 1)}, {each} each]", err=True)
+               f"up to {actors} actor{'s' * (actors > 1)}, {each} each]", err=True)
     todo = []
     for job in jobs:
         sha = file_sha256(job.files[0]) if per_input else None
@@ -122,7 +122,7 @@ def _run(ray, model_dir: Path, policies: list[Policy], settings: EngineSettings,
         with warnings.catch_warnings():  # Ray 2.60 deprecates these two arguments and names nothing in their place
             warnings.simplefilter("ignore", DeprecationWarning)
             ds = ds.map_batches(_ChunkScorer, fn_constructor_kwargs=kwargs, batch_size=1, batch_format="pyarrow",
-                                compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors_), num_gpus=gpus,
+                                compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors), num_gpus=gpus,
                                 num_cpus=cpus, max_restarts=-1, max_task_retries=RETRIES)
         ds.context.execution_options.preserve_order = True  # the outputs' rows in input order
         ds.context.enable_progress_bars = progress
