@@ -183,7 +183,7 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
 
 
 def fingerprint(policy: Policy) -> str:
-    """The policy but its LoRA factors (tensors do not compare with ==), the adapter's sha256 and scales kept, as a
+    """The policy but its LoRA factors (arrays do not compare with ==), the adapter's sha256 and scales kept, as a
     string: a NaN read from policy.json equals itself there, not as a float."""
     return repr(replace(policy, lora=LoraWeights({}, policy.lora.scales)))
 
