@@ -6,6 +6,10 @@ puts '▁' before a text's start: there the prefix opens the text and the pieces
 follow other text (`TextEncoder.after`), the suffix as it follows a special token when a conversation ends in one.
 gigatoken is the fast path (about 70x faster than `tokenizers` on 2 cores, measured on byte-level BPE); it is used
 only after it agreed with `tokenizers` on probe texts, and any tokenizer it refuses falls back to `tokenizers`.
+
+Conversation texts arrive marked (engine/content.py): a text without marks is encoded as tokenizers reads it, its
+special-token strings control tokens (the template's markup, a policy's prefix and suffix); a marked text is read
+into text runs and markup tokens, and its runs are encoded with special-token strings as plain text.
 """
 from __future__ import annotations
 
@@ -16,13 +20,13 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from policyscan.engine.chat_template import ChatTemplate, choose_template, config_templates, token_str
-from policyscan.engine.errors import CheckpointError, InputError, PolicyError
+from policyscan.engine.content import ContentGuard, Conversations
+from policyscan.engine.errors import CheckpointError, PolicyError
 from policyscan.engine.policy import Policy
 
 # What a piece after the prefix is encoded behind: text no vocabulary holds (a private-use character, which
 # falls back to bytes or <unk>), so nothing merges across it; a newline did merge with a suffix's leading "\n".
 SEAM = "\ue000"
-NO_TEMPLATE = "the model ships no chat template and no --chat-template or policy chat_template names one"
 PROBES = ["Hello, world!", "  leading spaces\tand\ttabs\n\nnew lines  ", "Ünïcödé — 中文 ✓ 😀 émoji",
           "user: my SSN is 123-45-6789.\nassistant: I can't store that.", "numbers 3.14159 and 1,000,000",
           "<|begin_of_text|>not special here?", "'s 're 've 'll don't CAPS MiXeD", ""]
@@ -32,9 +36,10 @@ class TextEncoder:
     """Encodes texts without special tokens; knows the BOS the tokenizer adds and the chat template."""
 
     def __init__(self, model_dir: str | Path, fast: bool = True, chat_template: str | None = None,
-                 policies: list[Policy] = ()):
+                 policies: list[Policy] = (), text_is_rendered: bool = False):
         """chat_template: --chat-template (plain, a file, a name of the model's templates); None: the one the
-        policies name, else the model's default (chat_template.choose_template)."""
+        policies name, else the model's default (chat_template.choose_template). text_is_rendered: a text column
+        holds trusted rendered prompts whose special-token strings are control tokens."""
         self.model_dir = model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -42,6 +47,11 @@ class TextEncoder:
         self.tok = Tokenizer.from_file(str(path))
         added = self.tok.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self.guard = ContentGuard.of_tokenizer(self.tok)
+        self.plain = Tokenizer.from_str(self.tok.to_str())  # special-token strings encode as text here
+        self.plain.encode_special_tokens = True
+        # tokenizers matches a normalized special token after normalizing; the guard sees only the raw text
+        self.read_all = any(t.special and t.normalized for t in added.values())
         self._special = next((added[i].content for i in sorted(self.special_ids)), None)
         self.apart = _encodes_apart(self.tok)  # pieces encode alone as they do after a newline
         self.fast = _gigatoken(path, self.tok) if fast and self.apart else None
@@ -50,13 +60,42 @@ class TextEncoder:
         self.bos: int | None = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
         cfg_path = model_dir / "tokenizer_config.json"
         self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template = choose_template(model_dir, self.tokenizer_config, chat_template, policies)
+        self.render = Conversations(choose_template(model_dir, self.tokenizer_config, chat_template, policies),
+                                    self.guard, text_is_rendered)
+        self.runs_after_special_as_first = self._runs_after_special_as_first()
         self.backend = ("gigatoken" if self.fast is not None else "tokenizers"
                         + ("" if self.apart else " (each piece after the prefix as it follows other text: the "
                                                  "tokenizer puts '▁' before a text's start)"))
         self.fast_texts = 0  # texts gigatoken encoded (and was trusted with) so far
 
     def encode_batch(self, texts: list[str], spot_checks: int = 8, full_checks: int = 4096) -> list[list[int]]:
+        """Token ids, BOS not added, of texts as `render` marks them (see the module's docstring)."""
+        marked = [i for i, t in enumerate(texts) if self.read_all or self.guard.needs_reading(t)]
+        if not marked:
+            return self._encode_unmarked(texts, spot_checks, full_checks)
+        out: list[list[int] | None] = [None] * len(texts)
+        for i in marked:
+            out[i] = self.encode_marked(texts[i])
+        rest = [i for i, o in enumerate(out) if o is None]
+        for i, ids in zip(rest, self._encode_unmarked([texts[i] for i in rest], spot_checks, full_checks)):
+            out[i] = ids
+        return out
+
+    def encode_marked(self, text: str) -> list[int]:
+        """A marked text: its markup's special tokens, and its text runs encoded with special-token strings as text;
+        each run as a piece of text where it stands (the conversation's first as it follows the prefix, the others
+        as they follow a special token)."""
+        ids: list[int] = []
+        for i, piece in enumerate(self.guard.pieces(text)):
+            if isinstance(piece, int):
+                ids.append(piece)
+            elif self.apart or (i > 0 and self.runs_after_special_as_first):
+                ids += self.plain.encode(piece, add_special_tokens=False).ids
+            else:
+                ids += self.after(SEAM, [piece], self.plain)[0]
+        return ids
+
+    def _encode_unmarked(self, texts: list[str], spot_checks: int, full_checks: int) -> list[list[int]]:
         """Token ids without special tokens. With gigatoken, the first `full_checks` texts are all encoded by
         `tokenizers` too (most disagreements then show before any row is written), later calls `spot_checks`
         of theirs; on any disagreement policyscan falls back to `tokenizers` for good (this call too), and the
@@ -81,12 +120,22 @@ class TextEncoder:
         """A piece that follows other text (a conversation, a suffix, a label)."""
         return self.encode_batch([text])[0]
 
-    def after(self, lead: str, texts: list[str]) -> list[list[int]]:
-        """Each text's tokens as they follow `lead` in one text: lead + text encoded, lead's own tokens cut off
-        (a text that still merges with `lead` across the seam: encoded alone)."""
-        head = self.tok.encode(lead, add_special_tokens=False).ids
-        return [e.ids[len(head):] if e.ids[:len(head)] == head else self.tok.encode(t, add_special_tokens=False).ids
-                for t, e in zip(texts, self.tok.encode_batch([lead + t for t in texts], add_special_tokens=False))]
+    def after(self, lead: str, texts: list[str], tok: Tokenizer | None = None) -> list[list[int]]:
+        """Each text's tokens as they follow `lead` in one text: lead + text encoded (by `tok`, default the
+        tokenizer), lead's own tokens cut off (a text that still merges with `lead` across the seam: encoded alone)."""
+        tok = tok or self.tok
+        head = tok.encode(lead, add_special_tokens=False).ids
+        return [e.ids[len(head):] if e.ids[:len(head)] == head else tok.encode(t, add_special_tokens=False).ids
+                for t, e in zip(texts, tok.encode_batch([lead + t for t in texts], add_special_tokens=False))]
+
+    def _runs_after_special_as_first(self) -> bool:
+        """Whether tokenizers encodes text after a special token as it encodes a text's start (a legacy Prepend
+        normalizer does, a Metaspace that prepends to the first piece only does not)."""
+        if self.apart or self._special is None:
+            return True
+        probe = "a b"
+        return self.tok.encode(self._special + probe, add_special_tokens=False).ids[1:] == \
+            self.tok.encode(probe, add_special_tokens=False).ids
 
     def after_special(self, text: str) -> list[int] | None:
         """The text's tokens after a special token, where that differs from after other text; else None."""
@@ -99,11 +148,10 @@ class TextEncoder:
         """The piece that opens the prompt's text (a policy's prefix)."""
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def render(self, messages: list[dict]) -> str:
-        """A messages list as text, through the run's chat template."""
-        if self.chat_template is None:  # the CLI refuses this before scoring; a row error for other callers
-            raise InputError(f"{NO_TEMPLATE}; pass --chat-template plain for 'role: content' lines")
-        return self.chat_template.render(messages)
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The run's chat template (None: the model has none and no option names one)."""
+        return self.render.template
 
     def describe_template(self) -> dict | None:
         """What the output's metadata records: the template's source and sha256 (None: no template)."""

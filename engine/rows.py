@@ -71,8 +71,9 @@ def pick_column(spec: ReadSpec, columns: list[str], path: Path, where: str = "")
                      "name it with --text-column or --messages-column")
 
 
-def conversation(value, is_messages: bool, render: Callable[[list], str]) -> tuple[str | None, str | None]:
-    """(text, None) or (None, reason): one cell of the conversation column checked and rendered."""
+def conversation(value, is_messages: bool, render: Callable[[str | list], str]) -> tuple[str | None, str | None]:
+    """(text, None) or (None, reason): one cell of the conversation column checked, then made the text the encoder
+    reads by `render` (content.Conversations: messages rendered, content marked so that it stays text)."""
     if value is None:
         return None, "null conversation"
     if is_messages:
@@ -93,7 +94,7 @@ def conversation(value, is_messages: bool, render: Callable[[list], str]) -> tup
         return None, f"the conversation {bad}"
     if not value.strip():
         return None, "empty conversation"
-    return value, None
+    return value if is_messages else render(value), None
 
 
 def surrogate(s: str) -> str | None:

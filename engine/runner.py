@@ -59,7 +59,8 @@ class Engine:
         _check_offsets(self.checkpoint.config, settings.batch_tokens)
         self.precision, self.precision_reason = (precision, None) if precision is not None else decide_precision(
             settings.precision, gpu, self.checkpoint.fp8, policies, settings.fp8_flip_limit)
-        self.encoder = TextEncoder(model_dir, chat_template=settings.chat_template, policies=policies)
+        self.encoder = TextEncoder(model_dir, chat_template=settings.chat_template, policies=policies,
+                                   text_is_rendered=settings.text_is_rendered)
         label_ids = [self.encoder.verdict_ids(p) for p in policies]
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
         heads = [b.head for b in self.builders] if settings.prefix_cache else []

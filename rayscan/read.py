@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Iterator
-from functools import partial
 
 import numpy as np
 import pyarrow as pa
 
-from policyscan.engine.chat_template import ChatTemplate
+from policyscan.engine.content import Conversations
 from policyscan.engine.errors import InputError
-from policyscan.engine.prompts import NO_TEMPLATE
 from policyscan.engine.rows import Chunk, PartialFileError, ReadSpec
 from policyscan.engine.units import Unit, unit_chunks
 
@@ -28,11 +26,11 @@ SOURCE_TYPE = pa.struct([("unit", pa.int64()), ("file", pa.string()), ("row", pa
                          ("failed", pa.bool_()), ("total", pa.int64())])
 
 
-def read_units(units: list[Unit], spec: ReadSpec, template: ChatTemplate | None, packed: bool = False):
+def read_units(units: list[Unit], spec: ReadSpec, render: Conversations, packed: bool = False):
     """A Ray Dataset of the units' rows, unit by unit: `id` and the kept columns as the reader gives them, the
     conversation rendered as text (TEXT) or why the row has none (ERROR), and where it comes from (SOURCE). For
-    PolicyScorer(text_column=TEXT, error_column=ERROR, keep=(..., SOURCE)). template: the run's chat template
-    (chat_template.choose_template), which renders a messages column here, in the read tasks.
+    PolicyScorer(text_column=TEXT, error_column=ERROR, keep=(..., SOURCE)). render: the run's conversation texts
+    (content.Conversations: its chat template and the tokenizer's special tokens), made here, in the read tasks.
 
     Files whose id or kept columns differ in type cannot share a batch: Ray Data joins blocks to make a batch of
     map_batches' batch_size, which it requires with GPUs. packed: each chunk of rows as one row of PACKED instead
@@ -42,7 +40,7 @@ def read_units(units: list[Unit], spec: ReadSpec, template: ChatTemplate | None,
 
     items = [{"unit": pickle.dumps(u)} for u in units]
     return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        _read, fn_kwargs={"spec": spec, "template": template, "packed": packed}, batch_size=1,
+        _read, fn_kwargs={"spec": spec, "render": render, "packed": packed}, batch_size=1,
         batch_format="pyarrow")
 
 
@@ -62,9 +60,9 @@ def unpack(batch: pa.Table) -> list[pa.Table]:
             for chunk in batch.column(PACKED).chunks for i in range(len(chunk))]
 
 
-def _read(batch: pa.Table, spec: ReadSpec, template: ChatTemplate | None, packed: bool) -> Iterator[pa.Table]:
+def _read(batch: pa.Table, spec: ReadSpec, render: Conversations, packed: bool) -> Iterator[pa.Table]:
     for blob in batch.column("unit").to_pylist():
-        for table in unit_tables(pickle.loads(blob), spec, partial(_render, template)):
+        for table in unit_tables(pickle.loads(blob), spec, render):
             yield pack(table) if packed else table
 
 
@@ -92,10 +90,3 @@ def _table(index: int, chunk: Chunk) -> pa.Table:
          pa.array(np.zeros(n, dtype=bool)), pa.nulls(n, pa.int64())], fields=list(SOURCE_TYPE))
     return pa.table({"id": chunk.ids, **chunk.keep, TEXT: pa.array(chunk.texts, pa.string()),
                      ERROR: pa.array(chunk.errors, pa.string()), SOURCE: source})
-
-
-def _render(template: ChatTemplate | None, messages: list[dict]) -> str:
-    """As TextEncoder.render: no template is this row's error (the CLI refuses a messages column without one)."""
-    if template is None:
-        raise InputError(f"{NO_TEMPLATE}; pass --chat-template plain for 'role: content' lines")
-    return template.render(messages)

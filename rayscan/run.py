@@ -20,9 +20,11 @@ import click
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from tokenizers import Tokenizer
 
 from policyscan.cli.targets import Job
 from policyscan.engine.chat_template import choose_template
+from policyscan.engine.content import ContentGuard, Conversations
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import file_sha256
 from policyscan.engine.pipeline import (Accounting, OutputSpec, _file_failure, _hashes, _row_error, commit_outputs,
@@ -111,14 +113,16 @@ def _run(ray, model_dir: Path, policies: list[Policy], settings: EngineSettings,
             job_of.append(j)
     cfg = json.loads((model_dir / "tokenizer_config.json").read_text()) \
         if (model_dir / "tokenizer_config.json").is_file() else {}
-    template = choose_template(model_dir, cfg, settings.chat_template, policies)
+    render = Conversations(choose_template(model_dir, cfg, settings.chat_template, policies),
+                           ContentGuard.of_tokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json"))),
+                           settings.text_is_rendered)
     kwargs = dict(model=model, policies=bundles, settings=settings, text_column=TEXT, error_column=ERROR,
                   keep=(*spec.keep, SOURCE), raw=True, truncation=True, max_chars=spec.max_chars, provenance=True,
                   checked=True)
     batches = iter(())
     if units:
         # read with one character more than the limit: the scorer clips the rest and counts which texts it cut
-        ds = read_units(units, replace(spec, max_chars=spec.max_chars + 1), template, packed=True)
+        ds = read_units(units, replace(spec, max_chars=spec.max_chars + 1), render, packed=True)
         with warnings.catch_warnings():  # Ray 2.60 deprecates these two arguments and names nothing in their place
             warnings.simplefilter("ignore", DeprecationWarning)
             ds = ds.map_batches(_ChunkScorer, fn_constructor_kwargs=kwargs, batch_size=1, batch_format="pyarrow",

@@ -101,7 +101,7 @@ def test_a_template_that_loops_without_end_costs_that_row_only(tmp_path):
     model = _model_with_template(tmp_path, "{% for m in messages %}{% if m.content == 'loop' %}" + loop +
                                  "{% endif %}<|{{ m.role }}|>{{ m.content }}{% endfor %}")
     enc = TextEncoder(model)
-    enc.chat_template = dataclasses.replace(enc.chat_template, seconds=0.2)
+    enc.render = dataclasses.replace(enc.render, template=dataclasses.replace(enc.chat_template, seconds=0.2))
     src = tmp_path / "m.jsonl"
     src.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": c}]}) for c in ("hi", "loop", "yo")))
     t0, tracer = time.monotonic(), sys.gettrace()

@@ -17,7 +17,7 @@ CORPUS = ["user: my SSN is 123-45-6789.\nassistant: I can't store that.", "Quest
 CONVERSATION = "user: hello there, my SSN is 123.\nassistant: I can't help with that."
 
 
-def _tokenizer(root: Path, style: str) -> Path:
+def sentencepiece_tokenizer(root: Path, style: str) -> Path:
     """A small BPE with byte fallback, laid out as transformers converts Llama 2 tokenizers: `legacy` (a Prepend
     normalizer: '▁' after every special token too), `metaspace` (prepend_scheme first) or `always`; `t5` splits
     at whitespace first, so every word has its '▁' and pieces need nothing."""
@@ -62,7 +62,7 @@ MULTI_TURN = "[INST] hello there [/INST] hi, how can I help? </s><s>[INST] my SS
 @pytest.mark.parametrize("style", ["legacy", "metaspace", "always", "t5"])
 @pytest.mark.parametrize("conversation", [CONVERSATION, MULTI_TURN, MULTI_TURN + " I can't help.</s>"])
 def test_the_prompt_is_the_whole_prompts_tokenization(tmp_path, style, conversation):
-    model = _tokenizer(tmp_path, style)
+    model = sentencepiece_tokenizer(tmp_path, style)
     whole = Tokenizer.from_file(str(model / "tokenizer.json"))
     assert whole.encode("a", add_special_tokens=False).tokens[0].startswith("▁")  # it does prepend
     enc = TextEncoder(model, chat_template="plain")
@@ -83,6 +83,6 @@ def test_the_prompt_is_the_whole_prompts_tokenization(tmp_path, style, conversat
 
 @pytest.mark.parametrize("prefix, why", [("", "is empty"), ("Question: is it safe?</s>", "ends in a special token")])
 def test_a_prefix_the_conversation_cannot_follow_as_after_a_newline_is_refused(tmp_path, prefix, why):
-    enc = TextEncoder(_tokenizer(tmp_path, "legacy"), chat_template="plain")
+    enc = TextEncoder(sentencepiece_tokenizer(tmp_path, "legacy"), chat_template="plain")
     with pytest.raises(PolicyError, match=rf"policy 'q' .*'▁' before a text's start.*prefix {why}\. End the prefix"):
         PromptBuilder.for_policy(enc, load_policy(_policy(tmp_path, prefix)), 512)
