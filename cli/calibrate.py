@@ -20,8 +20,8 @@ from policyscan.engine.policy import load_policy
 from policyscan.engine.runner import Engine
 from policyscan.engine.settings import EngineSettings
 from policyscan.engine.sources import ReadSpec
-from policyscan.cli.common import (chat_template_option, check_lengths, clip_chars, default_model, engine_options,
-                                   friendly_errors, input_files, model_option, resolve_chat_template)
+from policyscan.cli.common import (Share, chat_template_option, check_lengths, clip_chars, default_model,
+                                   engine_options, friendly_errors, input_files, model_option, resolve_chat_template)
 
 MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not written without --force
 
@@ -34,7 +34,7 @@ MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not wr
               help="0/1, booleans, or the policy's two label strings [default: label, else the policy's name]")
 @click.option("--from-scores", is_flag=True,
               help="LABELED is `score --raw` output: read f_<policy> and the label column, score nothing")
-@click.option("--holdout", default=0.25, show_default=True, type=click.FloatRange(0.0, 0.9),
+@click.option("--holdout", default=0.25, show_default=True, type=Share(0.0, 0.9),
               help="share of rows, chosen by a hash of the id, kept out of the fit for the before/after report")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="write a reliability diagram PNG")
 @click.option("--dry-run", is_flag=True, help="report only; leave policy.json unchanged")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import math
 import os
 import re
 import sys
@@ -14,7 +15,9 @@ import click
 from policyscan.engine.chat_template import TemplateChoiceError, choose_template
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.jsonl import parsed_lines
-from policyscan.engine.prompts import NO_TEMPLATE
+from policyscan.engine.content import NO_TEMPLATE
+from policyscan.engine.settings import (MAX_BATCH_TOKENS, MAX_DEVICES, MAX_LENGTH_LIMIT, MIN_TOKENS, OptionError,
+                                        check_device_name, max_threads)
 from policyscan.engine.sources import ReadSpec, expand_inputs, pick_column
 
 # the repository's sample_data; an installed wheel ships it as the package policyscan.sample_data, the same place
@@ -59,27 +62,39 @@ def model_option(f):
                         help="Hugging Face model directory [default: $POLICYSCAN_MODEL, else the sample model]")(f)
 
 
+class Share(click.FloatRange):
+    """A number in a closed range. FloatRange lets NaN through (it compares false with both bounds): refused here."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if math.isnan(rv):
+            self.fail(f"{value!r} is not a number; give one in the range {self.min}<=x<={self.max}", param, ctx)
+        return rv
+
+
 def engine_options(f):
-    """--device, --precision, --batch-tokens, --max-length, --cuda-graphs, --fp8-flip-limit, --threads."""
+    """--device, --precision, --batch-tokens, --max-length, --cuda-graphs, --fp8-flip-limit, --threads. Their
+    bounds are engine/settings.py's, which EngineSettings checks again for callers of the library."""
     for opt in reversed([
         click.option("--device", default="auto", show_default=True, callback=check_device,
                      help="auto | cpu | cuda | cuda:N"),
         click.option("--precision", default="auto", show_default=True,
                      type=click.Choice(["auto", "fp8", "bf16", "fp32"]),
                      help="auto: FP8 on a GPU, fp32 on the CPU"),
-        click.option("--batch-tokens", default=65536, show_default=True, type=click.IntRange(2),
-                     help="prompt tokens per packed batch"),
-        click.option("--max-length", default=2048, show_default=True, type=click.IntRange(2),
+        click.option("--batch-tokens", default=65536, show_default=True,
+                     type=click.IntRange(MIN_TOKENS, MAX_BATCH_TOKENS),
+                     help="prompt tokens per packed batch (the model may allow fewer: checked when it loads)"),
+        click.option("--max-length", default=2048, show_default=True, type=click.IntRange(MIN_TOKENS, MAX_LENGTH_LIMIT),
                      help="longest prompt; longer conversations lose their oldest tokens"),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="replay batches of up to 4096 tokens from CUDA graphs (GPU only; same results bit "
                           "for bit, fewer kernel launches)"),
-        click.option("--fp8-flip-limit", default=0.01, show_default=True, type=click.FloatRange(0, 1),
+        click.option("--fp8-flip-limit", default=0.01, show_default=True, type=Share(0, 1),
                      metavar="SHARE", help="--precision auto on a GPU runs bf16 when calibrate found FP8 flipping "
                                            "more than this share of a policy's labeled verdicts"),
-        click.option("--threads", default=None, type=click.IntRange(1), metavar="N",
-                     help="CPU threads (CPU path only; the same results bit for bit at any count) "
-                          "[default: the CPUs this process may use, at most 4]"),
+        click.option("--threads", default=None, type=click.IntRange(1, max_threads()), metavar="N",
+                     help="CPU threads (CPU path only; the same results bit for bit at any count; at most 4 per "
+                          "CPU of this machine) [default: the CPUs this process may use, at most 4]"),
     ]):
         f = opt(f)
     return f
@@ -139,9 +154,30 @@ def _has_messages(path: Path, spec: ReadSpec) -> bool:
 
 def check_device(ctx, param, value: str | None) -> str | None:
     """--device: a usage error (exit 2) before anything loads."""
-    if value is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-        raise click.BadParameter(f"{value!r}: use auto, cpu, cuda or cuda:N")
+    if value is not None:
+        try:
+            check_device_name(value)
+        except OptionError:
+            raise click.BadParameter(f"{value!r}: use auto, cpu, cuda or cuda:N (N below {MAX_DEVICES})") from None
     return value
+
+
+def check_devices(ctx, param, value: str) -> str:
+    """--devices: all, a count of 1 to MAX_DEVICES, or distinct indices below it; whether the host has those GPUs
+    is checked once they are counted (workers.parse_devices)."""
+    text = value.strip()
+    if text == "all":
+        return value
+    if "," not in text:
+        if re.fullmatch(r"\d{1,3}", text) and 1 <= int(text) <= MAX_DEVICES:
+            return value
+    else:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        indices = [int(p) for p in parts if re.fullmatch(r"\d{1,3}", p)]
+        if parts and len(indices) == len(parts) == len(set(indices)) and max(indices) < MAX_DEVICES:
+            return value
+    raise click.BadParameter(f"{value!r}: use all, a count of 1 to {MAX_DEVICES}, or distinct GPU indices below "
+                             f"{MAX_DEVICES} separated by commas, such as 0,2")
 
 
 def check_lengths(batch_tokens: int, max_length: int) -> None:
@@ -201,11 +237,14 @@ def _file_id(path: Path) -> tuple[int, int] | None:
 
 
 def friendly_errors(f):
-    """PolicyscanError or OSError (a full disk) -> one line on stderr and exit 1; Ctrl-C -> exit 130."""
+    """OptionError -> a usage error (exit 2); another PolicyscanError or OSError (a full disk) -> one line on stderr
+    and exit 1; Ctrl-C -> exit 130."""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         try:
             return f(*args, **kwargs)
+        except OptionError as e:  # a setting out of range or clashing with another, found past click's own checks
+            raise click.UsageError(str(e)) from e
         except PolicyscanError as e:
             click.echo(f"policyscan: error: {e}", err=True)
             sys.exit(EXIT_FAILURE)

@@ -15,13 +15,14 @@ from policyscan.engine.files import file_sha256
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.pipeline import Accounting, OutputSpec, run_key, score_inputs, up_to_date
 from policyscan.engine.policy import Policy, load_policies
-from policyscan.engine.settings import EngineSettings
+from policyscan.engine.settings import MAX_DEVICES, WORKERS_PER_CPU, EngineSettings, max_workers
+from policyscan.engine.sinks import check_keep, output_columns
 from policyscan.engine.sources import ReadSpec
 from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
 from policyscan.engine.workers_run import score_inputs_workers
-from policyscan.cli.common import (EXIT_OK, EXIT_ROW_ERRORS, chat_template_option, check_lengths, clip_chars,
-                                   default_model, default_policies, engine_options, friendly_errors, input_files,
-                                   model_option, preload_arrow, protected_files, resolve_chat_template,
+from policyscan.cli.common import (EXIT_OK, EXIT_ROW_ERRORS, chat_template_option, check_devices, check_lengths,
+                                   clip_chars, default_model, default_policies, engine_options, friendly_errors,
+                                   input_files, model_option, preload_arrow, protected_files, resolve_chat_template,
                                    template_arg)
 from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
 
@@ -43,7 +44,9 @@ if TYPE_CHECKING:  # torch: imported where this process scores, so that `score -
               help="column holding a list of {role, content}, rendered with the chat template")
 @chat_template_option
 @click.option("--id-column", default=None, metavar="C", help="id column passed through [default: id, else file:row]")
-@click.option("--keep", multiple=True, metavar="C", help="pass this input column through; repeatable")
+@click.option("--keep", multiple=True, metavar="C",
+              help="pass this input column through; repeatable (a column named like an output column, such as "
+                   "id or p_<policy>, is refused)")
 @click.option("--format", "fmt", default=None, type=click.Choice(["parquet", "jsonl"]),
               help="[default: from -o's suffix (.parquet, .jsonl, .jsonl.gz), else parquet]")
 @click.option("--layout", default="wide", show_default=True, type=click.Choice(["wide", "long"]),
@@ -56,11 +59,13 @@ if TYPE_CHECKING:  # torch: imported where this process scores, so that `score -
               help="where rows that cannot be scored are listed [default: <output>.errors.jsonl]")
 @click.option("--strict", is_flag=True, help="stop at the first row that cannot be scored")
 @engine_options
-@click.option("--devices", default="all", show_default=True, metavar="all|N|I,J",
+@click.option("--devices", default="all", show_default=True, metavar="all|N|I,J", callback=check_devices,
               help="GPUs to score on, one worker process and model copy each: all, the first N, or indices such "
-                   "as 0,2 (with --device auto or cuda; a single GPU scores in this process)")
-@click.option("--workers", default=1, show_default=True, type=click.IntRange(1), metavar="N",
-              help="worker processes on the CPU (--device cpu), each with its own model copy and --threads")
+                   f"as 0,2 (N up to {MAX_DEVICES}, indices below it; with --device auto or cuda; a single GPU scores "
+                   "in this process)")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, max_workers()), metavar="N",
+              help="worker processes on the CPU (--device cpu), each with its own model copy and --threads; at most "
+                   f"{WORKERS_PER_CPU} per CPU of this machine")
 @click.option("--ray", "ray_address", default=None, is_flag=False, flag_value="", metavar="[ADDRESS]",
               help="score on a Ray cluster (pip install 'policyscan[ray]'): ADDRESS, else RAY_ADDRESS, else the "
                    "cluster `ray start` began here, else a new local one; outputs are written here")
@@ -75,6 +80,9 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     if text_column and messages_column:
         raise click.UsageError("give --text-column or --messages-column, not both")
     check_lengths(batch_tokens, max_length)
+    # --keep's clashes but those with p_/f_/flagged_<policy>, before the inputs are listed or torch is imported;
+    # those once the policies are read
+    check_keep(keep, id_column, output_columns([], layout, raw, flagged, truncation))
     preload_arrow()  # first, so that its imports are done before the model load's thousands of GPU calls
     files = input_files(list(inputs))
     per_input = output is not None and (output.endswith(("/", "\\")) or Path(output).is_dir())
@@ -93,6 +101,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     # delayed W1's one-GPU worker by 0.55 s); pool.expect checks that the workers read the same policies
     with WorkerPool(WorkerConfig(model_dir, bundles, settings, slots)) if slots else contextlib.nullcontext() as pool:
         pols = load_policies(list(bundles))
+        check_keep(keep, id_column, output_columns([p.name for p in pols], layout, raw, flagged, truncation))
         jobs = plan_jobs(files, output, per_input, fmt, errors_path)
         check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
         resolve_chat_template(model_dir, chat_template, pols, files, spec)

@@ -18,17 +18,21 @@ from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.policy import load_policy
 from policyscan.engine.precision import Precision
 from policyscan.engine.runner import Engine, resolve_device
-from policyscan.engine.settings import EngineSettings
+from policyscan.engine.settings import EngineSettings, OptionError
 from policyscan.engine.sinks import read_metadata
 from policyscan.engine.sources import ReadSpec, read_chunks
 from policyscan.cli.common import check_device, friendly_errors
 
 EXIT_DIFFERS = 4
+# verify encodes and scores its sample's conversations in memory at once: beyond this many ids it would hold an
+# archive's worth of token ids (a sample larger than the output's ids is the whole output)
+MAX_SAMPLE = 1 << 20
 
 
 @click.command()
 @click.argument("output", type=click.Path(exists=True, dir_okay=False))
-@click.option("--sample", default=64, show_default=True, type=click.IntRange(1), help="ids to re-score")
+@click.option("--sample", default=64, show_default=True, type=click.IntRange(1, MAX_SAMPLE),
+              help="ids to re-score (all of them when the output has fewer)")
 @click.option("--device", default=None, callback=check_device,
               help="override the recorded device (results may then differ)")
 @friendly_errors
@@ -41,6 +45,7 @@ def verify(output: str, sample: int, device: str | None) -> None:
     meta = read_metadata(out)
     if meta is None:
         raise PolicyscanError(f"{out}: no policyscan metadata; only `policyscan score` outputs can be verified")
+    _check_ids(out, meta)
     _check_model(meta)
     inputs = [_input_path(rec, out) for rec in meta["inputs"]]
     policies = [_recorded_policy(rec) for rec in meta["policies"]]
@@ -52,10 +57,13 @@ def verify(output: str, sample: int, device: str | None) -> None:
     device = device or run_device
     # without it: on the run's kind of device its own request decides again, elsewhere the name
     request = s["precision"] if resolve_device(device).type == run_device else meta["precision"]
-    engine = Engine(meta["model"]["path"], policies,
-                    EngineSettings(device, request, s["batch_tokens"], s["max_length"],
-                                   cuda_graphs=s.get("cuda_graphs", True), chat_template=s.get("chat_template"),
-                                   fp8_flip_limit=s.get("fp8_flip_limit", 0.01)),
+    try:
+        settings = EngineSettings(device, request, s["batch_tokens"], s["max_length"],
+                                  cuda_graphs=s.get("cuda_graphs", True), chat_template=s.get("chat_template"),
+                                  fp8_flip_limit=s.get("fp8_flip_limit", 0.01))
+    except OptionError as e:  # the metadata's, not this command line's: the run cannot be repeated (exit 1)
+        raise PolicyscanError(f"{out}: the recorded settings cannot be run again: {e}") from e
+    engine = Engine(meta["model"]["path"], policies, settings,
                     precision=Precision.from_record(numerics) if numerics else None)
     if _template_id(meta.get("chat_template")) != _template_id(engine.encoder.describe_template()):
         raise PolicyscanError(f"the chat template changed since the run: {meta.get('chat_template')} then, "
@@ -81,6 +89,16 @@ def verify(output: str, sample: int, device: str | None) -> None:
     for i, name, want, got in bad[:10]:
         click.echo(f"  id {i!r} {name}: stored {want!r}, now {got!r}")
     sys.exit(EXIT_DIFFERS if bad else 0)
+
+
+def _check_ids(out: Path, meta: dict) -> None:
+    """An output whose `id` column holds a kept input column `id` instead of the --id-column's ids (score now
+    refuses that --keep) cannot be matched with its inputs."""
+    read = meta.get("read") or {}
+    if "id" in (read.get("keep") or ()) and read.get("id_column") not in (None, "id"):
+        raise PolicyscanError(f"{out}: its 'id' column holds the input column 'id' that --keep passed through, not "
+                              f"the ids of --id-column {read['id_column']}; its rows cannot be matched with the "
+                              "inputs: score it again without --keep id")
 
 
 def _check_model(meta: dict) -> None:

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from policyscan.engine.errors import InputError
+from policyscan.engine.settings import OptionError
 
 META_KEY = b"policyscan"
 ERROR_KEYS = {"file", "row", "line", "id", "reason"}
@@ -23,6 +24,44 @@ _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|bak)-(?P<pid>\d+)")
 def temp_path(path: Path, kind: str = "tmp") -> Path:
     """Where `path` is written before its commit: a hidden name of this process, which remove_leftovers knows."""
     return path.with_name(f".{path.name}.{kind}-{os.getpid()}")
+
+
+def output_columns(policies: list[str], layout: str, raw: bool, flagged: bool, truncation: bool) -> dict[str, str]:
+    """The columns ScoreWriter writes after `id` and the kept columns, in order, each with what puts it there."""
+    if layout == "long":
+        on = {"policy": "--layout long", "p": "--layout long", "f": raw and "--raw", "flagged": flagged and "--flagged",
+              "truncated": truncation and "--mark-truncated"}
+        return {c: why for c, why in on.items() if why}
+    cols = {f"p_{n}": f"the probability of policy {n!r}" for n in policies}
+    cols.update({f"f_{n}": "--raw" for n in policies if raw})
+    cols.update({f"flagged_{n}": "--flagged" for n in policies if flagged})
+    return {**cols, **({"truncated": "--mark-truncated"} if truncation else {})}
+
+
+def check_keep(keep: tuple[str, ...] | list[str], id_column: str | None, columns: dict[str, str]) -> None:
+    """--keep against the output's own columns (output_columns): a kept column of the same name would replace, or be
+    replaced by, the ids or the scores, so each clash is refused before anything is scored, as is a column kept
+    twice (a slip for another column more often than not) or the id column kept again."""
+    seen: set[str] = set()
+    for k in keep:
+        if k in seen:
+            raise OptionError(f"--keep {k} is given twice; give each kept column once")
+        seen.add(k)
+        if k == "id" and id_column not in (None, "id"):
+            raise OptionError(f"--keep id collides with the output column 'id', which holds the ids of --id-column "
+                              f"{id_column}: the rows would get the kept values as their ids; rename the input "
+                              "column 'id', or drop --keep id")
+        if k == "id":
+            raise OptionError("--keep id: 'id' is the output column of the ids (the input's 'id' column unless "
+                              "--id-column names another); drop --keep id")
+        if k == id_column:
+            raise OptionError(f"--keep {k}: {k!r} is the id column (--id-column {k}), already written as the "
+                              f"output column 'id'; drop --keep {k}")
+        if k in columns:
+            why = columns[k]
+            fixes = [f"rename the input column {k!r}", f"drop --keep {k}"] + ([f"drop {why}"] * why.startswith("--"))
+            raise OptionError(f"--keep {k} collides with the output column {k!r} ({why}): one would replace the "
+                              f"other; {', '.join(fixes[:-1])} or {fixes[-1]}")
 
 
 class ScoreWriter:
@@ -35,6 +74,7 @@ class ScoreWriter:
             raise ValueError(f"format {fmt!r} / layout {layout!r}")
         self.path, self.fmt, self.layout, self.policies, self.raw = path, fmt, layout, policies, raw
         self.thresholds, self.truncation = thresholds, truncation
+        self.columns = output_columns(policies, layout, raw, thresholds is not None, truncation)
         self.tmp = temp_path(path)
         self.rows = 0
         self._pq: pq.ParquetWriter | None = None
@@ -46,6 +86,7 @@ class ScoreWriter:
     def write(self, ids: pa.Array, keep: dict[str, pa.Array], p: np.ndarray, f: np.ndarray,
               cut: np.ndarray | None = None) -> None:
         """p, f, cut (prompt lost tokens): [rows, policies] for the scored rows of one chunk, in input order."""
+        check_keep(list(keep), None, self.columns)  # a caller that skipped the check before scoring
         cut = np.zeros(p.shape, dtype=bool) if cut is None else cut
         table = self._table(ids, keep, p, f, cut)
         self.rows += len(ids)
