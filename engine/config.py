@@ -1,12 +1,12 @@
 """Model configuration: what the decoder needs from a Hugging Face `config.json`."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from policyscan.engine.errors import CheckpointError
+from policyscan.engine.json_schema import CONFIG, check, read_json
 
 # Architectures whose HF definitions differ only in the switches below.
 ARCHITECTURES = {
@@ -33,8 +33,13 @@ class RopeConfig:
         if self.kind not in ("default", "linear", "llama3"):
             raise CheckpointError(
                 f"rope_scaling type {self.kind!r} is not supported (supported: none, linear, llama3)")
-        if self.theta <= 0 or self.factor <= 0:
-            raise CheckpointError(f"rope theta and factor must be positive, got {self.theta}, {self.factor}")
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise CheckpointError(f"rope {name} must be positive and finite, got {getattr(self, name)}")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise CheckpointError(f"rope high_freq_factor {self.high_freq_factor} must be greater than "
+                                  f"low_freq_factor {self.low_freq_factor} (llama3 scaling divides by their "
+                                  "difference)")
 
 
 @dataclass(frozen=True)
@@ -66,20 +71,22 @@ class ModelConfig:
         if self.arch not in ARCHITECTURES.values():
             raise CheckpointError(f"unknown architecture {self.arch!r}")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.layers:
-            raise CheckpointError(f"config.json: layer_types has {len(self.sliding_layers)} entries for "
-                                  f"{self.layers} layers")
+            raise CheckpointError(f"layer_types has {len(self.sliding_layers)} entries for {self.layers} layers "
+                                  "(num_hidden_layers)")
         for name in ("attn_scale", "attn_softcap", "final_softcap", "embed_scale", "residual_scale",
                      "logits_scale"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v > 0):
-                raise CheckpointError(f"config.json: {_FIELD_NAMES[name]} must be positive and finite, got {v}")
+                raise CheckpointError(f"{_FIELD_NAMES[name]} must be positive and finite, got {v}")
         for name in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab"):
             if getattr(self, name) <= 0:
-                raise CheckpointError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+                raise CheckpointError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heads % self.kv_heads:
             raise CheckpointError(
-                f"config.json: num_attention_heads {self.heads} is not a multiple of "
-                f"num_key_value_heads {self.kv_heads}")
+                f"num_attention_heads {self.heads} is not a multiple of num_key_value_heads {self.kv_heads}")
+        if self.head_dim % 2:
+            raise CheckpointError(f"head_dim {self.head_dim} must be even: rotary embeddings turn its two halves "
+                                  "(without a head_dim field it is hidden_size / num_attention_heads)")
 
     @property
     def gemma(self) -> bool:
@@ -113,18 +120,9 @@ class ModelConfig:
         }[proj]
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: no config.json; --model must be a Hugging Face model directory")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_dict(raw, source=str(path))
-
-    @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, raw: object, source: str = "config.json") -> "ModelConfig":
+        """A config.json's fields, checked against CONFIG first (types and ranges, every field named)."""
+        check(raw, CONFIG, source, CheckpointError)
         archs = raw.get("architectures") or []
         known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
         if not known:
@@ -134,27 +132,31 @@ class ModelConfig:
         arch = known[0]
         _refuse_unsupported(raw, arch, source)
         try:
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
-            rope = _rope(raw)
+            hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
             if arch == "gemma2":  # no use_sliding_window switch: layer_types says which layers slide
                 window = raw.get("sliding_window", 4096)
             else:
-                window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+                window = raw.get("sliding_window") if _flag(raw, "use_sliding_window", arch == "mistral") else None
             extra = _gemma2(raw, hidden) if arch == "gemma2" else _granite(raw) if arch == "granite" else {}
             return cls(
-                arch=arch, hidden=hidden, intermediate=int(raw["intermediate_size"]),
-                layers=int(raw["num_hidden_layers"]), heads=heads,
-                kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
-                vocab=int(raw["vocab_size"]), rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope=rope, tie_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma2")),
-                qkv_bias=bool(raw.get("attention_bias", arch == "qwen2")),
-                qk_norm=arch == "qwen3", sliding_window=int(window) if window else None,
-                max_position=int(raw.get("max_position_embeddings", 131072)), **extra,
+                arch=arch, hidden=hidden, intermediate=raw["intermediate_size"], layers=raw["num_hidden_layers"],
+                heads=heads, kv_heads=raw.get("num_key_value_heads") or heads,
+                head_dim=raw.get("head_dim") or hidden // heads, vocab=raw["vocab_size"],
+                rms_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=_rope(raw),
+                tie_embeddings=_flag(raw, "tie_word_embeddings", arch == "gemma2"),
+                qkv_bias=_flag(raw, "attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
+                sliding_window=window or None, max_position=raw.get("max_position_embeddings", 131072), **extra,
             )
-        except KeyError as e:
-            raise CheckpointError(f"{source}: missing key {e.args[0]!r}") from e
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: {e}") from e
+
+
+def read_config(model_dir: Path) -> object:
+    """A model directory's config.json, parsed (ModelConfig.from_dict checks it)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no config.json; --model must be a Hugging Face model directory")
+    return read_json(path, CheckpointError)
 
 
 # ModelConfig field -> the config.json key it comes from, for messages
@@ -177,16 +179,20 @@ def _refuse_unsupported(raw: dict, arch: str, source: str) -> None:
             raise CheckpointError(f"{source}: {key} = {raw[key]!r} is not supported for {arch}")
 
 
+def _flag(raw: dict, key: str, default: bool) -> bool:
+    """A true/false field; missing or null: HF's default."""
+    value = raw.get(key)
+    return default if value is None else value
+
+
 def _gemma2(raw: dict, hidden: int) -> dict:
     """HF's defaults where a key is missing; a key set to null turns its soft-capping off."""
-    n = int(raw["num_hidden_layers"])
+    n = raw["num_hidden_layers"]
     types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     if any(t not in LAYER_TYPES for t in types):
-        raise CheckpointError(f"config.json: layer_types {sorted(set(types) - set(LAYER_TYPES))} are not supported "
+        raise CheckpointError(f"layer_types {sorted(set(types) - set(LAYER_TYPES))} are not supported "
                               f"(supported: {', '.join(LAYER_TYPES)})")
     scalar = float(raw.get("query_pre_attn_scalar", 256))
-    if not scalar > 0:
-        raise CheckpointError(f"config.json: query_pre_attn_scalar must be positive, got {scalar}")
     return dict(sliding_layers=tuple(LAYER_TYPES[t] for t in types), attn_scale=scalar ** -0.5,
                 attn_softcap=_opt(raw.get("attn_logit_softcapping", 50.0)),
                 final_softcap=_opt(raw.get("final_logit_softcapping", 30.0)), embed_scale=hidden ** 0.5)

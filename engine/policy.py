@@ -2,7 +2,6 @@
 at all: a prompt-only policy scores the base model itself (zero-shot, or a fully fine-tuned guard model)."""
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -13,6 +12,7 @@ import numpy as np
 from policyscan.engine.files import cached_sha256
 from policyscan.engine.config import PROJECTIONS, ModelConfig
 from policyscan.engine.errors import PolicyError
+from policyscan.engine.json_schema import ADAPTER_CONFIG, POLICY, load
 from policyscan.engine.tensor_file import TensorFile
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
@@ -73,19 +73,10 @@ def load_policy(path: str | Path) -> Policy:
     if not pj.is_file():
         raise PolicyError(f"{path}: not a policy bundle (no policy.json); a bundle holds policy.json, and "
                           "adapter_config.json and adapter_model.safetensors unless it is prompt-only")
-    try:
-        meta = json.loads(pj.read_text())
-    except json.JSONDecodeError as e:
-        raise PolicyError(f"{pj}: not valid JSON ({e})") from e
-    labels, template, calib = meta.get("labels") or {}, meta.get("template") or {}, meta.get("calibration") or {}
-    for key, where in (("name", meta), ("compliant", labels), ("violation", labels)):
-        if not isinstance(where.get(key), str) or not where.get(key):
-            raise PolicyError(f"{pj}: missing {'labels.' if where is labels else ''}{key} (a non-empty string)")
+    meta = load(pj, POLICY, PolicyError)
+    labels, template, calib = meta["labels"], meta.get("template") or {}, meta.get("calibration") or {}
     lora, sha = load_adapter(path)
-    needs = meta.get("adapter", "optional")
-    if needs not in ("optional", "required"):
-        raise PolicyError(f"{pj}: adapter must be \"required\" or \"optional\", got {needs!r}")
-    if needs == "required" and sha is None:
+    if meta.get("adapter") == "required" and sha is None:
         raise PolicyError(f"{path}: policy.json says the adapter is required, but the bundle has none of its files; "
                           "copy adapter_config.json and adapter_model.safetensors into it (without them it would "
                           "score the bare base model)")
@@ -106,11 +97,11 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
         bin_hint = " (adapter_model.bin is a pickle file and is never loaded)" if bin_path.exists() else ""
         raise PolicyError(f"{path}: needs adapter_config.json and adapter_model.safetensors{bin_hint}, or none "
                           "of the adapter's files for a prompt-only policy")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = load(cfg_path, ADAPTER_CONFIG, PolicyError)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise PolicyError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters are supported")
-    for key, ok in (("use_dora", False), ("fan_in_fan_out", False)):
-        if cfg.get(key, ok) != ok:
+    for key in ("use_dora", "fan_in_fan_out"):
+        if cfg.get(key):
             raise PolicyError(f"{cfg_path}: {key}={cfg[key]} is not supported")
     if cfg.get("bias", "none") != "none":
         raise PolicyError(f"{cfg_path}: bias={cfg['bias']!r}; only bias='none' adapters are supported")
@@ -138,7 +129,7 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
             raise PolicyError(f"{w_path}: layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
                               f"{tuple(b.shape)} disagree on the rank")
         r = a.shape[0]
-        al = _pattern(cfg.get("alpha_pattern") or {}, layer, proj, alpha)
+        al = _pattern(cfg.get("alpha_pattern") or {}, layer, proj, alpha, cfg_path)
         scales[(layer, proj)] = al / math.sqrt(r) if rslora else al / r
         out[(layer, proj)] = (a, b)
     return LoraWeights(out, scales), cached_sha256(w_path)  # remembered across runs (files.py)
@@ -161,11 +152,16 @@ def _finite(t: np.ndarray, w_path: Path, name: str) -> np.ndarray:
     return t
 
 
-def _pattern(patterns: dict, layer: int, proj: str, default: float) -> float:
+def _pattern(patterns: dict, layer: int, proj: str, default: float, cfg_path: Path) -> float:
     """PEFT's alpha_pattern: keys match the end of the module name (or are regexes)."""
     module = f"model.layers.{layer}.{'self_attn' if proj[0] in 'qkvo' else 'mlp'}.{proj}"
     for key, value in patterns.items():
-        if module.endswith(key) or re.fullmatch(rf"(.*\.)?{key}", module):
+        try:
+            hit = module.endswith(key) or re.fullmatch(rf"(.*\.)?{key}", module)
+        except re.error as e:
+            raise PolicyError(f"{cfg_path}: alpha_pattern key {key!r} is neither a module name's end nor a regular "
+                              f"expression ({e})") from e
+        if hit:
             return float(value)
     return default
 

@@ -15,7 +15,7 @@ from policyscan.engine.compile_ahead import CompileJob, CompileReport, compile_a
 from policyscan.engine.compile_procs import Compilers, usable_cpus
 from policyscan.engine.files import in_background
 from policyscan.engine.config import ModelConfig
-from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.errors import CheckpointError, PolicyscanError
 from policyscan.engine.graphs import GraphedForward
 from policyscan.engine.loader import attach_policies, factors_on, load_decoder, shaped_decoder
 from policyscan.engine.model import Decoder
@@ -62,6 +62,7 @@ class Engine:
         self.encoder = TextEncoder(model_dir, chat_template=settings.chat_template, policies=policies,
                                    text_is_rendered=settings.text_is_rendered)
         label_ids = [self.encoder.verdict_ids(p) for p in policies]
+        check_token_ids(self.encoder, self.checkpoint, policies, label_ids)
         self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
         heads = [b.head for b in self.builders] if settings.prefix_cache else []
         self.compile: CompileReport | None = None
@@ -171,6 +172,28 @@ class Engine:
     @property
     def model_sha256(self) -> str:
         return self._model_sha.result()
+
+
+def check_token_ids(encoder: TextEncoder, ckpt: Checkpoint, policies: list[Policy],
+                    label_ids: list[tuple[int, int]]) -> None:
+    """Every id the tokenizer can give (its vocabulary and added tokens, its BOS, the label tokens) must be a row of
+    the embedding and the head (vocab_size rows, checked against them when the checkpoint opened): past them the
+    lookup would read outside the table. A tokenizer of another model is refused before any weight is read."""
+    rows, tok = ckpt.config.vocab, encoder.tok
+    where = f"{ckpt.model_dir / 'tokenizer.json'}: the tokenizer"
+    fix = (f"but the model's embedding has {rows} rows (vocab_size in config.json); use the tokenizer.json that "
+           "came with these weights")
+    size = tok.get_vocab_size(with_added_tokens=True)
+    # size tokens with distinct ids: all below `rows` exactly when ids 0..rows-1 hold `size` tokens (a vocabulary may
+    # leave ids out); 128k lookups took 0.04 s on the 2 cores here, building the vocabulary as a dict 0.09-0.16 s
+    if size > rows or rows - list(map(tok.id_to_token, range(rows))).count(None) < size:
+        top = max(tok.get_vocab(with_added_tokens=True).values())
+        raise CheckpointError(f"{where} has {size} tokens with its added tokens, ids up to {top}, {fix}")
+    if encoder.bos is not None and encoder.bos >= rows:
+        raise CheckpointError(f"{where} adds BOS token id {encoder.bos}, {fix}")
+    for policy, ids in zip(policies, label_ids):
+        if max(ids) >= rows:
+            raise CheckpointError(f"{where} gives policy {policy.name!r} ({policy.path}) label token ids {ids}, {fix}")
 
 
 def _check_offsets(cfg: ModelConfig, batch_tokens: int) -> None:

@@ -48,6 +48,9 @@ class TensorFile:
                 header = json.loads(text)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise self._error(f"its header is not valid JSON ({e}); the file is damaged") from e
+            except RecursionError as e:  # nested past Python's recursion limit: no safetensors header is
+                raise self._error("its header is JSON nested too deeply to be a safetensors header; the file is "
+                                  "damaged") from e
             if not isinstance(header, dict):
                 raise self._error("its header is not a JSON object; the file is damaged")
             header.pop("__metadata__", None)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cli_cases import SAMPLE
 from hf_fixtures import SPECS, make_model, make_policy
 from policyscan.engine.checkpoint import Checkpoint
 from policyscan.engine.files import in_background
@@ -131,6 +132,39 @@ def test_adapter_config_variants_refused(built, tmp_path, key, value, msg):
         load_policy(d)
 
 
+@pytest.mark.parametrize("changes, match", [
+    ({"r": "8"}, r'r must be an integer from 1 to 65536, got the string "8"'),
+    ({"lora_alpha": "16"}, r'lora_alpha must be a finite number, got the string "16"'),
+    ({"lora_alpha": None}, r"lora_alpha must be a finite number, got null"),
+    ({"use_rslora": "yes"}, r'use_rslora must be true or false or null, got the string "yes"'),
+    ({"use_dora": 1}, r"use_dora must be true or false or null, got 1"),
+    ({"modules_to_save": "lm_head"}, r"modules_to_save must be a list or null, got the string"),
+    ({"modules_to_save": [["lm_head"]]}, r"modules_to_save\[0\] must be a string, got a list"),
+    ({"alpha_pattern": []}, r"alpha_pattern must be an object or null, got a list"),
+    ({"alpha_pattern": {"q_proj": "32"}}, r"alpha_pattern.q_proj must be a finite number"),
+    ({"alpha_pattern": {"(q_proj": 32}}, r"alpha_pattern key '\(q_proj' is neither .* regular expression"),
+    ({"peft_type": ["LORA"]}, r"peft_type must be a string, got a list"),
+    ({"bias": None}, r"bias must be a string, got null"),
+    ("7", r"adapter_config.json: must hold a JSON object, got 7"),
+    ("[" * 100_000 + "]" * 100_000, r"adapter_config.json: its JSON is nested too deeply"),
+])
+def test_an_adapter_config_field_of_the_wrong_type_is_refused_by_name(tmp_path, changes, match):
+    d = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
+    path = d / "adapter_config.json"
+    path.write_text(changes if isinstance(changes, str) else json.dumps({**json.loads(path.read_text()), **changes}))
+    with pytest.raises(PolicyError, match=match) as e:
+        load_policy(d)
+    assert str(path) in str(e.value)
+
+
+def test_nulls_where_peft_writes_them_load_as_the_defaults(tmp_path):
+    d = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
+    path = d / "adapter_config.json"
+    nulls = dict(use_rslora=None, use_dora=None, fan_in_fan_out=None, modules_to_save=None, alpha_pattern=None)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **nulls}))
+    assert load_policy(d).lora.scales == load_policy(SAMPLE / "policies" / "pii").lora.scales
+
+
 def test_policy_json_problems(built, tmp_path):
     d = copy(built, "good", tmp_path)
     (d / "policy.json").unlink()
@@ -150,22 +184,24 @@ def test_policy_json_problems(built, tmp_path):
         load_policy(d)
 
 
-def test_batch_tokens_beyond_32bit_offsets_is_refused_at_load():
+def test_batch_tokens_beyond_32bit_offsets_is_refused_at_load(tmp_path):
     """A batch whose widest activation passes 2^31 elements could not be addressed by the kernels: refused with
-    the largest --batch-tokens that works, before any weight is read."""
-    from pathlib import Path
-
+    the largest --batch-tokens that works, before any weight is read (a model this wide, so that a --batch-tokens
+    within its own limit reaches it)."""
     from policyscan.engine.errors import PolicyscanError
     from policyscan.engine.policy import load_policies
     from policyscan.engine.runner import Engine
     from policyscan.engine.settings import EngineSettings
 
-    sample = Path(__file__).resolve().parent.parent / "sample_data"
-    widest = 352  # the sample model's intermediate size: wider than hidden (128) and qkv ((4 + 2 * 2) * 32)
+    widest = 1200  # the intermediate size: wider than hidden (96) and qkv ((6 + 2 * 2) * 16)
+    make_model(tmp_path / "wide", "llama", intermediate_size=widest)
+    (tmp_path / "zs").mkdir()
+    (tmp_path / "zs" / "policy.json").write_text(json.dumps({"name": "zs", "labels": {"compliant": "a",
+                                                                                      "violation": "b"}}))
     limit = (2**31 - 1) // widest
     with pytest.raises(PolicyscanError,
                        match=rf"--batch-tokens {limit + 1} is too large.*--batch-tokens {limit} or less"):
-        Engine(sample / "model", load_policies([sample / "policies"]), EngineSettings("cpu", batch_tokens=limit + 1))
+        Engine(tmp_path / "wide", load_policies([tmp_path / "zs"]), EngineSettings("cpu", batch_tokens=limit + 1))
 
 
 def test_in_background_gives_the_value_or_raises_the_error():

@@ -19,6 +19,7 @@ from policyscan.engine.policy import load_policy
 from policyscan.engine.tensor_file import _UNTRACKED, TensorFile
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+DEEP = b'{"t": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -102,6 +103,7 @@ def _first(header: dict) -> dict:
     (lambda raw: raw + b"\0" * 4, "bytes after its tensors"),
     (lambda raw: (10).to_bytes(8, "little") + b"{not json!" + raw[18:], "not valid JSON"),
     (lambda raw: (2).to_bytes(8, "little") + b"[]", "not a JSON object"),
+    (lambda raw: len(DEEP).to_bytes(8, "little") + DEEP, "header is JSON nested too deeply"),  # json's RecursionError
     (lambda raw: _header(raw, lambda h: _first(h).update(data_offsets=[0])), "no valid dtype, shape and data_off"),
     (lambda raw: _header(raw, lambda h: _first(h).update(data_offsets=["0", 4])), "no valid dtype, shape"),
     (lambda raw: _header(raw, lambda h: _first(h).update(dtype=["F32"])), "no valid dtype, shape"),
