@@ -88,7 +88,7 @@ def run_path(path: str, root: Path, src: Path, device: str, address: str | None 
     launcher.write_text(WORKERS_MAIN if path == "workers" else MAIN)
     cmd = [sys.executable, str(launcher), "score", str(src), "-o", str(out),
            "--model", str(root / "model"), "--policies", str(root / "bundles"), "--device", device, "--no-progress",
-           *(["--ray", address] if address else [])]
+           *(["--ray", "--ray-address", address] if address else [])]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0

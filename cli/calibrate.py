@@ -20,7 +20,7 @@ from policyscan.engine.policy import load_policy
 from policyscan.engine.runner import Engine
 from policyscan.engine.settings import EngineSettings
 from policyscan.engine.sources import ReadSpec
-from policyscan.cli.common import (Share, chat_template_option, check_lengths, clip_chars, default_model,
+from policyscan.cli.common import (Share, conversation_options, check_lengths, clip_chars, default_model,
                                    engine_options, friendly_errors, input_files, model_option, resolve_chat_template)
 
 MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not written without --force
@@ -43,12 +43,12 @@ MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not wr
 @model_option
 @click.option("--text-column", default=None, metavar="C")
 @click.option("--messages-column", default=None, metavar="C")
-@chat_template_option
+@conversation_options
 @click.option("--id-column", default=None, metavar="C")
 @engine_options
 @friendly_errors
 def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry_run, force, model, text_column,
-              messages_column, chat_template, id_column, device, precision, batch_tokens, max_length,
+              messages_column, chat_template, text_is_rendered, id_column, device, precision, batch_tokens, max_length,
               cuda_graphs, fp8_flip_limit, threads) -> None:
     """Fit p = sigmoid(a*f + b) for one policy (Platt, Newton with line search) and record it in policy.json.
 
@@ -68,7 +68,7 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
         model_dir = Path(model or default_model())
         template = resolve_chat_template(model_dir, chat_template, [policy], files, spec)
         settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
-                                  chat_template=template, threads=threads,
+                                  chat_template=template, text_is_rendered=text_is_rendered, threads=threads,
                                   fp8_flip_limit=fp8_flip_limit)
         data = score_labeled(Engine(model_dir, [policy], settings), files, spec, label_column)
     y, bad = parse_labels(data.labels, policy.compliant, policy.violation)

@@ -100,7 +100,11 @@ def engine_options(f):
     return f
 
 
-def chat_template_option(f):
+def conversation_options(f):
+    """--chat-template and --text-is-rendered: how a conversation cell becomes the text the model reads."""
+    f = click.option("--text-is-rendered", is_flag=True,
+                     help="the text column holds trusted prompts rendered with their markup: its special-token "
+                          "strings are control tokens (by default everything a conversation holds is text)")(f)
     return click.option("--chat-template", default=None, metavar="FILE|NAME|plain",
                         help="renders a messages column: a Jinja file, a name of the model's templates, or plain "
                              "('role: content' lines) [default: the policies' chat_template, else the model's]")(f)

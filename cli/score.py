@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from policyscan.engine.sinks import check_keep, output_columns
 from policyscan.engine.sources import ReadSpec
 from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
 from policyscan.engine.workers_run import score_inputs_workers
-from policyscan.cli.common import (EXIT_OK, EXIT_ROW_ERRORS, chat_template_option, check_devices, check_lengths,
+from policyscan.cli.common import (EXIT_OK, EXIT_ROW_ERRORS, conversation_options, check_devices, check_lengths,
                                    clip_chars, default_model, default_policies, engine_options, friendly_errors,
                                    input_files, model_option, preload_arrow, protected_files, resolve_chat_template,
                                    template_arg)
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # torch: imported where this process scores, so that `score -
 @click.option("--text-column", default=None, metavar="C", help="column holding the conversation as text")
 @click.option("--messages-column", default=None, metavar="C",
               help="column holding a list of {role, content}, rendered with the chat template")
-@chat_template_option
+@conversation_options
 @click.option("--id-column", default=None, metavar="C", help="id column passed through [default: id, else file:row]")
 @click.option("--keep", multiple=True, metavar="C",
               help="pass this input column through; repeatable (a column named like an output column, such as "
@@ -66,20 +67,25 @@ if TYPE_CHECKING:  # torch: imported where this process scores, so that `score -
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, max_workers()), metavar="N",
               help="worker processes on the CPU (--device cpu), each with its own model copy and --threads; at most "
                    f"{WORKERS_PER_CPU} per CPU of this machine")
-@click.option("--ray", "ray_address", default=None, is_flag=False, flag_value="", metavar="[ADDRESS]",
-              help="score on a Ray cluster (pip install 'policyscan[ray]'): ADDRESS, else RAY_ADDRESS, else the "
-                   "cluster `ray start` began here, else a new local one; outputs are written here")
+@click.option("--ray", "ray", is_flag=True,
+              help="score on a Ray cluster (pip install 'policyscan[ray]'): --ray-address, else RAY_ADDRESS, else "
+                   "the cluster `ray start` began here, else a new local one; outputs are written here")
+@click.option("--ray-address", default=None, metavar="ADDRESS",
+              help="the Ray cluster to join (HOST:PORT or ray://HOST:PORT); implies --ray")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @friendly_errors
-def score(inputs, output, model, policies, text_column, messages_column, chat_template, id_column, keep, fmt, layout,
-          raw, flagged, truncation, errors_path, strict, device, precision, batch_tokens, max_length, cuda_graphs,
-          fp8_flip_limit, threads, devices, workers, ray_address, no_progress) -> None:
+def score(inputs, output, model, policies, text_column, messages_column, chat_template, text_is_rendered, id_column,
+          keep, fmt, layout, raw, flagged, truncation, errors_path, strict, device, precision, batch_tokens,
+          max_length, cuda_graphs, fp8_flip_limit, threads, devices, workers, ray, ray_address, no_progress) -> None:
     """Score INPUT files (Parquet, JSONL, JSONL.gz; files, directories or globs) against every policy.
 
     Exit status: 0 all rows scored, 3 finished with rows in the errors file, 2 usage error, 1 failure."""
     if text_column and messages_column:
         raise click.UsageError("give --text-column or --messages-column, not both")
     check_lengths(batch_tokens, max_length)
+    ray_address = ray_address if ray_address is not None else "" if ray else None
+    if ray_address is not None:
+        _check_no_address_among(inputs)
     # --keep's clashes but those with p_/f_/flagged_<policy>, before the inputs are listed or torch is imported;
     # those once the policies are read
     check_keep(keep, id_column, output_columns([], layout, raw, flagged, truncation))
@@ -94,7 +100,8 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     bundles = tuple(policies) or default_policies()
     model_dir = Path(model or default_model())
     settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
-                              chat_template=template_arg(chat_template), threads=threads, fp8_flip_limit=fp8_flip_limit)
+                              chat_template=template_arg(chat_template), text_is_rendered=text_is_rendered,
+                              threads=threads, fp8_flip_limit=fp8_flip_limit)
     progress = not no_progress and _is_terminal()
     slots = None if ray_address is not None else _worker_devices(device, devices, workers)
     # the workers load the model while this process reads the policies and checks the inputs (done first, they
@@ -114,6 +121,15 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
         else:
             total = _score(pool, pols, jobs, model_dir, settings, spec, out, per_input, progress)
     sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
+
+
+def _check_no_address_among(inputs: tuple[str, ...]) -> None:
+    """`--ray HOST:PORT` (the address after the flag) leaves the address among the inputs: say what to type."""
+    for item in inputs:
+        if not Path(item).exists() and not any(c in item for c in "*?[") and (
+                item.startswith("ray://") or re.fullmatch(r"[\w.-]+:\d+", item)):
+            raise click.UsageError(f"{item!r} is not an input file; --ray is a flag now: name the cluster with "
+                                   f"--ray-address {item}")
 
 
 def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_dir: Path, settings: EngineSettings,

@@ -60,6 +60,7 @@ def verify(output: str, sample: int, device: str | None) -> None:
     try:
         settings = EngineSettings(device, request, s["batch_tokens"], s["max_length"],
                                   cuda_graphs=s.get("cuda_graphs", True), chat_template=s.get("chat_template"),
+                                  text_is_rendered=s.get("text_is_rendered", False),
                                   fp8_flip_limit=s.get("fp8_flip_limit", 0.01))
     except OptionError as e:  # the metadata's, not this command line's: the run cannot be repeated (exit 1)
         raise PolicyscanError(f"{out}: the recorded settings cannot be run again: {e}") from e

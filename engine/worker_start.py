@@ -59,7 +59,7 @@ def reimported() -> bool:
 def will_score(argv: list[str], commands: tuple[str, ...]) -> bool:
     """The command line runs one of `commands` here (not --help, not on a Ray cluster)."""
     return bool(argv) and argv[0] in commands and not any(
-        a in ("-h", "--help") or a == "--ray" or a.startswith("--ray=") for a in argv)
+        a in ("-h", "--help", "--ray") or a.startswith("--ray-address") for a in argv)
 
 
 def option(argv: list[str], name: str, default: str | None = None) -> str | None:

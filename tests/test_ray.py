@@ -185,6 +185,28 @@ def test_a_ray_run_failing_after_the_connect_disconnects_only_what_it_joined(inp
             calls.append("shutdown")
 
     monkeypatch.setattr(run_mod, "connect", lambda address: (FakeRay(), joined))
-    res = CliRunner().invoke(cli, ["score", str(inputs[0]), "-o", f"{tmp_path}/", *CPU, "--devices", "0", "--ray"])
+    res = CliRunner().invoke(cli, ["score", str(inputs[0]), "-o", f"{tmp_path}/", *CPU, "--devices", "1", "--ray"])
     assert res.exit_code == 2 and "--devices picks GPUs of this host" in res.output
     assert calls == (["shutdown"] if joined else []) and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("order", ["flag first", "flag last", "address first"])
+def test_ray_options_go_in_any_order(inputs, tmp_path, monkeypatch, order):
+    """--ray is a flag and --ray-address names the cluster, so neither takes an input for its value."""
+    addresses = []
+
+    def connect(address):
+        addresses.append(address)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(run_mod, "connect", connect)
+    args = {"flag first": ["--ray", str(inputs[0]), "-o", f"{tmp_path}/"],
+            "flag last": [str(inputs[0]), "-o", f"{tmp_path}/", "--ray"],
+            "address first": ["--ray-address", "HEAD:6379", str(inputs[0]), "-o", f"{tmp_path}/"]}[order]
+    res = CliRunner().invoke(cli, ["score", *args, *CPU])
+    assert res.exit_code == 0 and addresses == ["HEAD:6379" if order == "address first" else ""], res.output
+
+
+def test_the_old_ray_address_form_says_what_to_type(inputs, tmp_path):
+    res = CliRunner().invoke(cli, ["score", "--ray", "HEAD:6379", str(inputs[0]), "-o", f"{tmp_path}/", *CPU])
+    assert res.exit_code == 2 and "--ray-address HEAD:6379" in res.output
