@@ -1,17 +1,28 @@
 """Where `score` writes: one job (inputs -> output + errors file) per target, its format from the suffix, and the
-checks that run before anything is scored (nothing policyscan did not write is overwritten)."""
+checks that run before anything is scored (nothing policyscan did not write is overwritten).
+
+A path `score` writes is either not there yet or a regular file; anything else there (a FIFO, a device such as
+/dev/full, a socket, a directory, a dangling link, a link loop) is a usage error before it is opened. The look at a
+regular file (is it policyscan's?) reads a Parquet footer, or lines of at most LINE_LIMIT bytes."""
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from policyscan.engine.errors import PolicyscanError
-from policyscan.engine.sinks import is_errors_file, meta_path, read_metadata
+from policyscan.engine.errors import InputError, PolicyscanError
+from policyscan.engine.files import MISSING, not_regular, open_regular
+from policyscan.engine.sinks import ERROR_KEYS, meta_path, read_metadata
 from policyscan.cli.common import check_writable_dir, refuse_overwrites
 
 SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "jsonl"))
+# The longest line an errors file policyscan wrote is taken to have: its reasons name keys and values of a row,
+# never a whole row; a longer line is not read further (a file of one endless line is no errors file).
+LINE_LIMIT = 16 << 20
+OPTIONS = {"output": "-o", "errors file": "--errors", "metadata file": "-o"}  # the option a path comes from
 
 
 @dataclass(frozen=True)
@@ -66,16 +77,66 @@ def check_jobs(jobs: list[Job], protected: dict[Path, str]) -> None:
         writes += [(job.target, "output"), (job.errors, "errors file")]
         if job.target.name.endswith((".jsonl", ".jsonl.gz")):
             writes.append((meta_path(job.target), "metadata file"))
-    refuse_overwrites(writes, protected)
+    for path, what in writes:  # first: nothing below opens, or resolves, a path that is not a file
+        if (kind := not_regular(path)) not in (None, MISSING):
+            raise click.UsageError(f"{what} {path} is {kind}; policyscan writes only new or regular files: "
+                                   f"choose another {OPTIONS[what]}")
+    refuse_overwrites(writes, _existing(protected))
+    _refuse_broken_links(writes, protected)
     for job in jobs:
         check_writable_dir(job.target.parent, f"output {job.target}")
         check_writable_dir(job.errors.parent, f"errors file {job.errors}")
         if job.target.is_file() and read_metadata(job.target) is None:
             raise click.UsageError(f"output {job.target} exists and is not a policyscan output; "
                                    "remove it or choose another -o")
-        if job.errors.exists() and not is_errors_file(job.errors):
+        if job.errors.exists() and not wrote_errors_file(job.errors):
             raise click.UsageError(f"errors file {job.errors} exists and is not a policyscan errors file; "
                                    "remove it or choose another --errors")
+
+
+def wrote_errors_file(path: Path) -> bool:
+    """Whether the regular file `path` is an errors file policyscan wrote: every line a {file, row, line, id, reason}
+    object, each read to LINE_LIMIT bytes at most."""
+    try:
+        with open_regular(path) as fh:
+            seen = False
+            while line := fh.readline(LINE_LIMIT):
+                if not line.endswith(b"\n") and len(line) == LINE_LIMIT:
+                    return False
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or set(rec) != ERROR_KEYS:
+                    return False
+                seen = True
+            return seen
+    except (InputError, OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply for a record
+        return False
+
+
+def _names_a_file(path: Path) -> bool:
+    try:
+        path.stat()
+    except OSError:
+        return False
+    return True
+
+
+def _existing(protected: dict[Path, str]) -> dict[Path, str]:
+    """The protected paths that name a file: refuse_overwrites compares them by real path and file identity."""
+    return {p: what for p, what in protected.items() if _names_a_file(p)}
+
+
+def _refuse_broken_links(writes: list[tuple[Path, str]], protected: dict[Path, str]) -> None:
+    """A protected path that names no file (an input, found in a folder, that is a dangling link or a link loop)
+    is still there: writing over it would destroy the link. Compared by its absolute path, and by where it points."""
+    names: dict[str, tuple[Path, str]] = {}
+    for p, what in protected.items():
+        if not _names_a_file(p):
+            names[os.path.abspath(p)] = (p, what)
+            names[os.path.realpath(p)] = (p, what)  # a loop: realpath gives a path of the loop, no error
+    for path, what in writes:
+        if (hit := names.get(os.path.abspath(path)) or names.get(os.path.realpath(path))) is not None:
+            raise click.UsageError(f"{what} {path} is {hit[1]} ({hit[0]}); writing it would destroy it: "
+                                   "choose another path")
 
 
 def _stem(path: Path) -> str:

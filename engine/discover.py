@@ -2,7 +2,10 @@
 
 Directories and `**` globs follow directory links but enter each real directory once (a link loop
 ends there), and never pick up policyscan's own outputs, so `score arch -o arch/scores/` run every
-night reads only the logs."""
+night reads only the logs. What a directory or a glob finds that is not a regular file (a FIFO, a device, a
+socket, a dangling link, a link loop) is still an input: its reader lists it in the errors file with what it is,
+and the run goes on. A path named on the command line that is no directory must be a regular file: anything
+else is an InputError."""
 from __future__ import annotations
 
 import glob
@@ -13,6 +16,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from policyscan.engine.errors import InputError
+from policyscan.engine.files import not_regular
 
 SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".ndjson", ".json")
 DIR_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".ndjson")  # what a directory contributes
@@ -29,7 +33,7 @@ def expand_inputs(inputs: list[str], note: Callable[[str], None] | None = None) 
     file once; `note` (default: stderr) hears of every file named again."""
     note = note or _stderr
     out: list[Path] = []
-    seen: dict[tuple[int, int], Path] = {}
+    seen: dict[tuple[int, int] | str, Path] = {}
     for item in inputs:
         for f in _expand(item):
             key = _identity(f)
@@ -48,7 +52,9 @@ def _expand(item: str) -> list[Path]:
         if not found:
             raise InputError(f"{p}: directory holds no {', '.join(DIR_SUFFIXES)} files")
         return found
-    if p.is_file():
+    if os.path.lexists(p):  # a name that is there (a glob's characters in it are its own)
+        if (what := not_regular(p)) is not None:
+            raise InputError(f"{item}: {what}; name a regular file, a directory or a glob")
         return [p]
     if any(c in item for c in "*?["):
         found = sorted(f for f in _glob(item) if not is_own_output(f))
@@ -62,7 +68,7 @@ def _glob(pattern: str) -> Iterator[Path]:
     """Files matching `pattern`; `**` (any depth) walks like a directory, so link loops end."""
     parts = Path(pattern).parts
     if "**" not in parts:
-        yield from (Path(f) for f in glob.glob(pattern) if Path(f).is_file())
+        yield from (Path(f) for f in glob.glob(pattern) if not Path(f).is_dir())
         return
     fixed = next(i for i, s in enumerate(parts) if glob.has_magic(s))
     base, pats = Path(*parts[:fixed]) if fixed else Path("."), parts[fixed:]
@@ -83,7 +89,8 @@ def _match(parts: tuple[str, ...], pats: tuple[str, ...]) -> bool:
 
 
 def walk_files(top: Path) -> Iterator[Path]:
-    """Every file under `top`, through directory links, entering each real directory once: real
+    """Every entry under `top` that is not a directory (files, and what the readers refuse: FIFOs, devices,
+    sockets, dangling links, link loops), through directory links, entering each real directory once: real
     directories first, so a file is named by its own path where it has one inside `top`."""
     entered: set[tuple[int, int]] = set()
     dirs, links = [top], []
@@ -99,14 +106,26 @@ def walk_files(top: Path) -> Iterator[Path]:
             raise InputError(f"{d}: cannot list this directory ({e.strerror}); fix its permissions or leave it "
                              "out") from e
         for e in entries:
-            if e.is_dir():
+            if _is_dir(e):
                 (links if e.is_symlink() else dirs).append(Path(e.path))
-            elif e.is_file():
+            else:
                 yield Path(e.path)
 
 
-def _identity(p: Path) -> tuple[int, int]:
-    st = os.stat(p)
+def _is_dir(e: os.DirEntry) -> bool:
+    """Whether an entry is a directory, through links; a link loop (which DirEntry raises for) is none."""
+    try:
+        return e.is_dir()
+    except OSError:
+        return False
+
+
+def _identity(p: Path) -> tuple[int, int] | str:
+    """The real file a path names; a link that names none (dangling, a loop) is itself: its absolute path."""
+    try:
+        st = os.stat(p)
+    except OSError:
+        return os.path.abspath(p)
     return st.st_dev, st.st_ino
 
 

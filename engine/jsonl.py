@@ -5,6 +5,7 @@ from the keys of the whole first chunk, so a first line without it costs that li
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import re
 import zlib
@@ -14,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from policyscan.engine.errors import InputError
+from policyscan.engine.files import open_regular
 from policyscan.engine.rows import (Chunk, PartialFileError, ReadSpec, as_str, clip, conversation, pick_column,
                                     printable, surrogate)
 
@@ -22,17 +24,16 @@ Parsed = tuple[int, dict | None, str | None]  # (line number, the object, or why
 
 
 def parsed_lines(path: Path) -> Iterator[tuple[Parsed, int]]:
-    """(parsed line, its length) for every non-blank line. A file that breaks (truncated gzip, a read
-    error) raises OSError, EOFError or zlib.error after the lines before it."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    try:  # bad bytes decode to U+DC80..U+DCFF (decoding stays in C) and are found line by line
-        f = opener(path, "rt", encoding="utf-8", errors="surrogateescape", newline="\n")
-    except OSError as e:
-        raise InputError(f"{path}: cannot open ({e})") from e
-    with f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():  # blank lines are not rows
-                yield (line_no, *parse_line(line)), len(line)
+    """(parsed line, its length) for every non-blank line. A path that is not a regular file, or cannot be opened,
+    raises InputError; a file that breaks (truncated gzip, a read error) raises OSError, EOFError or zlib.error
+    after the lines before it."""
+    raw = open_regular(path)
+    with raw:  # bad bytes decode to U+DC80..U+DCFF (decoding stays in C) and are found line by line
+        data = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
+        with io.TextIOWrapper(data, encoding="utf-8", errors="surrogateescape", newline="\n") as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():  # blank lines are not rows
+                    yield (line_no, *parse_line(line)), len(line)
 
 
 def parse_line(line: str) -> tuple[dict | None, str | None]:
@@ -114,11 +115,7 @@ def _chunks(path: Path, spec: ReadSpec, render: Callable[[list], str], lines: It
 
 def _range_lines(path: Path, start: int, end: int, first_line: int) -> Iterator[tuple[Parsed, int]]:
     """parsed_lines for the whole lines in bytes [start, end), split and decoded as parsed_lines does."""
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise InputError(f"{path}: cannot open ({e})") from e
-    with f:
+    with open_regular(path) as f:
         f.seek(start)
         pos = start
         for line_no, raw in enumerate(f, first_line):  # binary lines end at b"\n" only, as newline="\n" splits

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from policyscan.engine.files import file_sha256
+from policyscan.engine.files import changed_since_hashed, input_file_sha256
 from policyscan.engine.errors import InputError
 from policyscan.engine.sinks import (ErrorWriter, ScoreWriter, commit_together, meta_path, read_metadata,
                                      remove_leftovers)
@@ -132,12 +132,13 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
 
 
 def open_outputs(policies, inputs: list[Path], output: Path, errors: Path, out: OutputSpec, keyed: bool,
-                 input_sha256: list[str] | None) -> tuple[list[str], ScoreWriter, ErrorWriter, Accounting]:
-    """A run's input hashes (taken before reading: what was scored is what is named), its writers and accounting;
-    temp files of dead runs of these outputs removed."""
+                 input_sha256: list[str | None] | None) -> tuple[list, ScoreWriter, ErrorWriter, Accounting]:
+    """A run's input hashes (taken before reading: what was scored is what is named; None for an input that is not
+    a regular file or cannot be opened, which its reader lists), its writers and accounting; temp files of dead
+    runs of these outputs removed."""
     if keyed and len(inputs) != 1:
         raise ValueError(f"a run key names one input's output, got {len(inputs)} inputs")
-    shas = input_sha256 or [file_sha256(p) for p in inputs]
+    shas = input_sha256 or [input_file_sha256(p) for p in inputs]
     names = [p.name for p in policies]
     remove_leftovers([output, errors, meta_path(output)])
     writer = ScoreWriter(output, out.fmt, out.layout, names, out.raw,
@@ -145,17 +146,21 @@ def open_outputs(policies, inputs: list[Path], output: Path, errors: Path, out: 
     return shas, writer, ErrorWriter(errors), Accounting(above_threshold={n: 0 for n in names})
 
 
-def commit_outputs(scorer, model_files: dict, id_hashes: list[np.ndarray], inputs: list[Path], shas: list[str],
+def commit_outputs(scorer, model_files: dict, id_hashes: list[np.ndarray], inputs: list[Path], shas: list[str | None],
                    output: Path, errors: Path, spec: ReadSpec, out: OutputSpec, keyed: bool, writer: ScoreWriter,
                    err: ErrorWriter, acc: Accounting, **extra) -> None:
     """The metadata (scorer: an Engine, or a pool of them; both describe() the run), then the output, its
-    metadata and its errors file renamed together."""
+    metadata and its errors file renamed together. An input that changed since it was hashed is listed in the
+    errors file and recorded without a hash (`changed_while_read`), and an output with an input without one has no
+    run key: `-o DIR/` never takes it for up to date."""
+    changed = [_changed_while_read(p, h, err, acc, out.strict) for p, h in zip(inputs, shas)]
+    shas = [None if c else h for h, c in zip(shas, changed)]
     acc.duplicate_ids = _repeats(id_hashes)
     meta = {**scorer.describe(), "model_files": model_files, **extra,
-            "inputs": [_input_record(p, h, output) for p, h in zip(inputs, shas)],
+            "inputs": [_input_record(p, h, output, c) for p, h, c in zip(inputs, shas, changed)],
             "read": asdict(spec), "output": asdict(out), "errors_file": str(errors) if err.count else None,
             "accounting": {**asdict(acc), "balanced": acc.balanced},
-            "run_key": run_key(scorer, spec, out, shas[0]) if keyed else None}
+            "run_key": run_key(scorer, spec, out, shas[0]) if keyed and shas[0] is not None else None}
     moves, remove = err.finish()
     commit_together(writer.finish(meta) + moves, remove)
 
@@ -199,6 +204,17 @@ def encode_chunk(engine: Engine, chunk: Chunk) -> tuple[Chunk, list[np.ndarray]]
         else:  # a tokenizer that normalizes a text away: an error row, not a crash of the run
             errors[i] = "the conversation encodes to no tokens"
     return dataclasses.replace(chunk, texts=[], errors=errors), convs
+
+
+def _changed_while_read(path: Path, sha: str | None, err: ErrorWriter, acc: Accounting, strict: bool) -> bool:
+    """Whether the hashed input `path` changed since its hash began (its reading is over), then listed in the errors
+    file: the rows read from it are scored, but no hash names the bytes they came from."""
+    if sha is None or (how := changed_since_hashed(path)) is None:
+        return False
+    _file_failure(FileFailure(path, InputError(f"{path}: changed while it was read ({how}); the rows read were "
+                                               "scored, but its hash is of the file before: score it again when it "
+                                               "is complete"), 0), err, acc, strict)
+    return True
 
 
 def _file_failure(ff: FileFailure, err: ErrorWriter, acc: Accounting, strict: bool) -> None:
@@ -271,12 +287,13 @@ def _repeats(hashes: list[np.ndarray]) -> int:
     return int(len(flat) - len(np.unique(flat)))
 
 
-def _input_record(path: Path, sha: str, output: Path) -> dict:
+def _input_record(path: Path, sha: str | None, output: Path, changed: bool) -> dict:
     """An input as typed, absolute, and relative to the output's folder: `verify` finds it from anywhere, and
-    after the output and its inputs moved together."""
-    full = path.resolve()
+    after the output and its inputs moved together. sha None: no hash names what was read: the file changed while
+    it was read (`changed`; rows were scored) or it could not be read (no rows were)."""
+    full = Path(os.path.realpath(path))  # Path.resolve() raises on a link loop (an input found in a folder)
     return {"path": str(path), "abs_path": str(full), "rel_path": os.path.relpath(full, output.resolve().parent),
-            "sha256": sha}
+            "sha256": sha, "changed_while_read": changed}
 
 
 def _prefetch(it: Iterator, depth: int = 2) -> Iterator:

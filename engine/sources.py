@@ -1,7 +1,9 @@
 """Open Parquet / JSONL(.gz) files, directories and globs -> chunks of conversations, bounded memory.
 
 Every input row comes out of here exactly once: as a conversation text, or with the reason it cannot be
-scored. Parquet is read row group by row group, so a damaged group costs its own rows only."""
+scored. Parquet is read row group by row group, so a damaged group costs its own rows only. A path that is not a
+regular file (a FIFO, a device, a dangling link, ...) is refused before it is opened: an InputError that names it
+and says what it is, which the pipeline lists in the errors file as it lists any file that cannot be read."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -14,6 +16,7 @@ import pyarrow.parquet as pq
 # the CLI finds its inputs through this module
 from policyscan.engine.discover import SUFFIXES, expand_inputs  # noqa: F401
 from policyscan.engine.errors import InputError
+from policyscan.engine.files import check_regular
 from policyscan.engine.jsonl import read_jsonl
 # public here: the readers' types
 from policyscan.engine.rows import Chunk, PartialFileError, ReadSpec, clip, conversation, pick_column  # noqa: F401
@@ -22,13 +25,14 @@ Lost = tuple[int, str]  # rows of a row group that could not be read, and why
 
 
 def read_chunks(path: Path, spec: ReadSpec, render: Callable[[list], str]) -> Iterator[Chunk]:
-    """Chunks of one file. A file that cannot be opened raises InputError naming it."""
+    """Chunks of one file. A file that cannot be opened, or is not a regular file, raises InputError naming it."""
     name = path.name
     if name.endswith(".parquet"):
         yield from _parquet(path, spec, render)
     elif name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".json")):
         yield from read_jsonl(path, spec, render)
     else:
+        check_regular(path)  # what a path is tells more than its name
         raise InputError(f"{path}: unknown format; policyscan reads {', '.join(SUFFIXES)}")
 
 
@@ -45,6 +49,8 @@ class ParquetLayout:
 
 
 def parquet_layout(path: Path, spec: ReadSpec) -> ParquetLayout:
+    """The file opened (only a regular file: Arrow would wait on a FIFO for a writer) and its columns checked."""
+    check_regular(path)
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:
