@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from policyscan.engine.chat_template import TemplateChoiceError, choose_template
+from policyscan.engine.chat_template import TemplateChoiceError, choose_template, read_tokenizer_config
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.jsonl import parsed_lines
 from policyscan.engine.content import NO_TEMPLATE
@@ -114,12 +114,8 @@ def resolve_chat_template(model_dir: Path, choice: str | None, policies: list, f
                           spec: ReadSpec) -> str | None:
     """--chat-template made absolute (the metadata records it; verify reruns from anywhere), after checking,
     before anything loads, that it names a template and that every input with a messages column has one."""
-    import json
-
-    cfg_path = model_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     try:
-        template = choose_template(model_dir, cfg, choice, policies)
+        template = choose_template(model_dir, read_tokenizer_config(model_dir), choice, policies)
     except TemplateChoiceError as e:
         raise click.UsageError(str(e)) from e
     if template is None and (needing := [f for f in files if _has_messages(f, spec)]):

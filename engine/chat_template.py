@@ -7,7 +7,6 @@ lines), the name of one of the model's templates, or a Jinja file (a policy's is
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policyscan.engine.errors import CheckpointError, PolicyscanError
+from policyscan.engine.json_schema import CHAT_TEMPLATE_JSON, TOKENIZER_CONFIG, load
 
 RENDER_SECONDS = 2.0  # one conversation's chat template rendering, far above any real template's need
 PLAIN = "plain"
@@ -63,13 +63,20 @@ def model_templates(model_dir: Path, tokenizer_config: dict) -> dict[str, tuple[
     model_dir = Path(model_dir).resolve()  # the metadata names where a template came from, whatever the cwd
     out = config_templates(tokenizer_config, str(model_dir / "tokenizer_config.json"))
     legacy = model_dir / "chat_template.json"
-    if legacy.is_file() and isinstance(source := json.loads(legacy.read_text()).get("chat_template"), str):
+    if legacy.is_file() and isinstance(source := load(legacy, CHAT_TEMPLATE_JSON, CheckpointError)
+                                       .get("chat_template"), str):
         out["default"] = (source, str(legacy))
     if (jinja := model_dir / TEMPLATE_FILE).is_file():
         out["default"] = (jinja.read_text(encoding="utf-8"), str(jinja))
     if (named := model_dir / TEMPLATE_DIR).is_dir():
         out.update({p.stem: (p.read_text(encoding="utf-8"), str(p)) for p in sorted(named.glob("*.jinja"))})
     return out
+
+
+def read_tokenizer_config(model_dir: Path) -> dict:
+    """The model's tokenizer_config.json ({} when it has none), checked: a wrong type is one line naming the field."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    return load(path, TOKENIZER_CONFIG, CheckpointError) if path.is_file() else {}
 
 
 def config_templates(tokenizer_config: dict, where: str) -> dict[str, tuple[str, str]]:

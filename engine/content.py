@@ -1,10 +1,10 @@
 """Content never becomes control: the text of a conversation is marked so that a special-token string typed in it
 stays text, while the scaffolding (the chat template's markup, a policy's prefix and suffix) keeps its control tokens.
 
-The marks are two Unicode noncharacters, ESC and BRK, which no text needs. In content, a literal mark is doubled, a
-special-token string gets ESC before it, and where the content's trimmed start or end could join the template's markup into a
-special token (its start ends one, its end begins one, or the markup on both sides could close one around it), a
-BRK breaks the seam. A chat template renders such marked strings as it renders any text (its
+The marks are two Unicode noncharacters, ESC and BRK, which no text needs. In content, a literal mark is doubled,
+a special-token string gets ESC before it, and where the content's trimmed start or end could join the template's
+markup into a special token (its start ends one, its end begins one, or the markup on both sides could close one
+around it), a BRK breaks the seam. A chat template renders such marked strings as it renders any text (its
 `trim` leaves the marks in place: they sit inside the whitespace), and `ContentGuard.pieces` reads the result back
 into text runs and the markup's own special tokens. Marks survive only where text passes through unchanged; a
 template that rewrites content (say, JSON-escapes it) is caught by `ContentGuard.check_markup`.
@@ -54,7 +54,7 @@ class ContentGuard:
         set_("_by_content", by_content)
         set_("_find", re.compile(alternation) if alternation else None)
         # a doubled mark: the literal character; ESC + special: text; a lone mark: nothing; a bare special: control
-        marks = f"{ESC}{ESC}|{BRK}{BRK}|{ESC}(?:{alternation})|{ESC}|{BRK}" if alternation else f"{ESC}{ESC}|{BRK}{BRK}|{ESC}|{BRK}"
+        marks = f"{ESC}{ESC}|{BRK}{BRK}|" + (f"{ESC}(?:{alternation})|" if alternation else "") + f"{ESC}|{BRK}"
         set_("_read", re.compile(f"{marks}|({alternation})" if alternation else marks))
         set_("_heads", frozenset(c[:k] for c in by_content for k in range(1, len(c))))
         set_("_tails", frozenset(c[k:] for c in by_content for k in range(1, len(c))))

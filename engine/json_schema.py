@@ -1,4 +1,5 @@
-"""What policyscan reads from its JSON files (config.json, policy.json, adapter_config.json), declared field by
+"""What policyscan reads from its JSON files (config.json, tokenizer_config.json, policy.json, adapter_config.json,
+chat_template.json), declared field by
 field: the JSON types a field may take, its range, whether it is required. Each file is checked once, when it
 loads, so that a wrong value is one line naming the file and the field, never a traceback where it is used."""
 from __future__ import annotations
@@ -232,3 +233,11 @@ ADAPTER_CONFIG: dict[str, Field] = {
     "r": _count(1 << 16), "lora_alpha": Field("number"),
     "alpha_pattern": Field("object|null", each=Field("number")),
 }
+# a model's tokenizer_config.json and chat_template.json (chat_template.read_tokenizer_config, model_templates)
+_TOKEN = Field("str|object|null", fields={"content": Field("str")})
+TOKENIZER_CONFIG: dict[str, Field] = {
+    "chat_template": Field("str|list|null", items=Field("object", fields={"name": Field("str", required=True),
+                                                                       "template": Field("str", required=True)})),
+    "bos_token": _TOKEN, "eos_token": _TOKEN,
+}
+CHAT_TEMPLATE_JSON: dict[str, Field] = {"chat_template": Field("str|null")}

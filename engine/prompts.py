@@ -13,13 +13,13 @@ into text runs and markup tokens, and its runs are encoded with special-token st
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from policyscan.engine.chat_template import ChatTemplate, choose_template, config_templates, token_str
+from policyscan.engine.chat_template import (ChatTemplate, choose_template, config_templates, read_tokenizer_config,
+                                             token_str)
 from policyscan.engine.content import ContentGuard, Conversations
 from policyscan.engine.errors import CheckpointError, PolicyError
 from policyscan.engine.policy import Policy
@@ -44,7 +44,11 @@ class TextEncoder:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no tokenizer.json; policyscan needs the fast-tokenizer file")
-        self.tok = Tokenizer.from_file(str(path))
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise CheckpointError(f"{path}: not a tokenizer file the tokenizers library reads ({e}); "
+                                  "re-save it with transformers' save_pretrained") from e
         added = self.tok.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         self.guard = ContentGuard.of_tokenizer(self.tok)
@@ -58,8 +62,7 @@ class TextEncoder:
         plain = self.tok.encode("a", add_special_tokens=False).ids
         full = self.tok.encode("a", add_special_tokens=True).ids
         self.bos: int | None = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
-        cfg_path = model_dir / "tokenizer_config.json"
-        self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.tokenizer_config = read_tokenizer_config(model_dir)
         self.render = Conversations(choose_template(model_dir, self.tokenizer_config, chat_template, policies),
                                     self.guard, text_is_rendered)
         self.runs_after_special_as_first = self._runs_after_special_as_first()

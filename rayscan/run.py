@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
 from policyscan.cli.targets import Job
-from policyscan.engine.chat_template import choose_template
+from policyscan.engine.chat_template import choose_template, read_tokenizer_config
 from policyscan.engine.content import ContentGuard, Conversations
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import file_sha256
@@ -111,9 +111,8 @@ def _run(ray, model_dir: Path, policies: list[Policy], settings: EngineSettings,
         for u in plan_units(job.files, spec):
             units.append(replace(u, index=len(units)))
             job_of.append(j)
-    cfg = json.loads((model_dir / "tokenizer_config.json").read_text()) \
-        if (model_dir / "tokenizer_config.json").is_file() else {}
-    render = Conversations(choose_template(model_dir, cfg, settings.chat_template, policies),
+    template = choose_template(model_dir, read_tokenizer_config(model_dir), settings.chat_template, policies)
+    render = Conversations(template,
                            ContentGuard.of_tokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json"))),
                            settings.text_is_rendered)
     kwargs = dict(model=model, policies=bundles, settings=settings, text_column=TEXT, error_column=ERROR,

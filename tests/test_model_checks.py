@@ -296,7 +296,7 @@ def _cli(tmp_path, *args) -> tuple[int, str]:
     return res.returncode, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("case", ["layers", "type", "policy", "adapter_header"])
+@pytest.mark.parametrize("case", ["layers", "type", "policy", "adapter_header", "tokenizer", "tokenizer_config"])
 def test_the_command_line_refuses_wrong_files_in_one_line(tmp_path, case):
     policies = SAMPLE / "policies"
     if case == "layers":
@@ -306,6 +306,15 @@ def test_the_command_line_refuses_wrong_files_in_one_line(tmp_path, case):
     elif case == "policy":
         model, policies = SAMPLE / "model", policy_copy(tmp_path, "policy.json", put("template.prefix", {}))
         named = ("pii/policy.json", "template.prefix must be a string, got an object")
+    elif case == "tokenizer":
+        model = model_copy(tmp_path)
+        (model / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": "not a vocabulary"}}')
+        named = ("tokenizer.json", "not a tokenizer file")
+    elif case == "tokenizer_config":
+        model = model_copy(tmp_path)
+        cfg = json.loads((model / "tokenizer_config.json").read_text())
+        (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": 7}))
+        named = ("tokenizer_config.json", "chat_template must be a string or a list or null, got 7")
     else:
         model, policies = SAMPLE / "model", shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
         text = b'{"x": ' + DEEP.encode() + b"}"
