@@ -76,8 +76,8 @@ class StrictStop(InputError):
 
 # Raised with every change that can move a score or a prompt's tokens, so that `-o DIR/` scores again what an
 # earlier policyscan wrote (2: SentencePiece-style tokenizers encode the pieces after the prefix as they follow
-# other text; the CPU path's LoRA shrink is a GEMM).
-SCORING_REVISION = 2
+# other text; the CPU path's LoRA shrink is a GEMM; 3: special-token strings in conversation text encode as text).
+SCORING_REVISION = 3
 
 
 def run_key(engine: Engine, spec: ReadSpec, out: OutputSpec, input_sha: str) -> str:
