@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from policyscan.engine.chat_template import TemplateChoiceError, choose_template, read_tokenizer_config
+from policyscan.engine.files import check_regular
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.jsonl import parsed_lines
 from policyscan.engine.content import NO_TEMPLATE
@@ -138,6 +139,7 @@ def _has_messages(path: Path, spec: ReadSpec) -> bool:
     if spec.text_column or spec.messages_column:
         return spec.messages_column is not None
     try:
+        check_regular(path)
         if path.name.endswith(".parquet"):
             names = pq.ParquetFile(path).schema_arrow.names
         else:

@@ -12,7 +12,7 @@ import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from policyscan.engine.files import file_sha256
+from policyscan.engine.files import input_file_sha256, not_regular
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.pipeline import Accounting, OutputSpec, run_key, score_inputs, up_to_date
 from policyscan.engine.policy import Policy, load_policies
@@ -161,7 +161,7 @@ def _score_jobs(scorer: Engine | WorkerPool, jobs: list[Job], spec, out, progres
     """scorer: an Engine, or a WorkerPool of them (run_key takes either: both describe() the run)."""
     total = Accounting()
     for job in jobs:
-        sha = file_sha256(job.files[0]) if per_input else None
+        sha = input_file_sha256(job.files[0]) if per_input else None
         # Only an existing output needs the run key before scoring: the key waits for the model's hash
         # (seconds for a large checkpoint), which a new output takes when it is written.
         if per_input and job.target.exists() and up_to_date(job.target, run_key(scorer, spec, out, sha)):
@@ -221,7 +221,7 @@ def _run(engine, job: Job, spec, out, progress, keyed, shas=None) -> Accounting:
 
 def _parquet_rows(files: list[Path]) -> int | None:
     """The rows to come when every input is Parquet (its footer says), for the bar's total and ETA."""
-    if not all(f.name.endswith(".parquet") for f in files):
+    if not all(f.name.endswith(".parquet") and not_regular(f) is None for f in files):
         return None
     try:
         return sum(pq.ParquetFile(f).metadata.num_rows for f in files)

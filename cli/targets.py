@@ -3,10 +3,9 @@ checks that run before anything is scored (nothing policyscan did not write is o
 
 A path `score` writes is either not there yet or a regular file; anything else there (a FIFO, a device such as
 /dev/full, a socket, a directory, a dangling link, a link loop) is a usage error before it is opened. The look at a
-regular file (is it policyscan's?) reads a Parquet footer, or lines of at most LINE_LIMIT bytes."""
+regular file (is it policyscan's?) reads a Parquet footer, or lines of at most sinks.LINE_LIMIT bytes."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,14 +13,13 @@ from pathlib import Path
 import click
 
 from policyscan.engine.errors import InputError, PolicyscanError
-from policyscan.engine.files import MISSING, not_regular, open_regular
-from policyscan.engine.sinks import ERROR_KEYS, meta_path, read_metadata
+from policyscan.engine.files import MISSING, not_regular
+from policyscan.engine.sinks import is_errors_file, meta_path, read_metadata
 from policyscan.cli.common import check_writable_dir, refuse_overwrites
 
 SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "jsonl"))
 # The longest line an errors file policyscan wrote is taken to have: its reasons name keys and values of a row,
 # never a whole row; a longer line is not read further (a file of one endless line is no errors file).
-LINE_LIMIT = 16 << 20
 OPTIONS = {"output": "-o", "errors file": "--errors", "metadata file": "-o"}  # the option a path comes from
 
 
@@ -89,27 +87,9 @@ def check_jobs(jobs: list[Job], protected: dict[Path, str]) -> None:
         if job.target.is_file() and read_metadata(job.target) is None:
             raise click.UsageError(f"output {job.target} exists and is not a policyscan output; "
                                    "remove it or choose another -o")
-        if job.errors.exists() and not wrote_errors_file(job.errors):
+        if job.errors.exists() and not is_errors_file(job.errors):
             raise click.UsageError(f"errors file {job.errors} exists and is not a policyscan errors file; "
                                    "remove it or choose another --errors")
-
-
-def wrote_errors_file(path: Path) -> bool:
-    """Whether the regular file `path` is an errors file policyscan wrote: every line a {file, row, line, id, reason}
-    object, each read to LINE_LIMIT bytes at most."""
-    try:
-        with open_regular(path) as fh:
-            seen = False
-            while line := fh.readline(LINE_LIMIT):
-                if not line.endswith(b"\n") and len(line) == LINE_LIMIT:
-                    return False
-                rec = json.loads(line)
-                if not isinstance(rec, dict) or set(rec) != ERROR_KEYS:
-                    return False
-                seen = True
-            return seen
-    except (InputError, OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply for a record
-        return False
 
 
 def _names_a_file(path: Path) -> bool:

@@ -14,10 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from policyscan.engine.errors import InputError
+from policyscan.engine.files import open_regular
 from policyscan.engine.settings import OptionError
 
 META_KEY = b"policyscan"
 ERROR_KEYS = {"file", "row", "line", "id", "reason"}
+LINE_LIMIT = 16 << 20  # the longest errors-file line is_errors_file reads
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|bak)-(?P<pid>\d+)")
 
 
@@ -170,17 +172,20 @@ def read_metadata(out: Path) -> dict | None:
 
 
 def is_errors_file(path: Path) -> bool:
-    """Whether `path` is an errors file policyscan wrote: every line a {file, row, line, id, reason} object."""
+    """Whether the regular file `path` is an errors file policyscan wrote: every line a {file, row, line, id, reason}
+    object, each read to LINE_LIMIT bytes at most (a device or an endless line is never taken for one)."""
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open_regular(path) as fh:
             seen = False
-            for line in fh:
+            while line := fh.readline(LINE_LIMIT):
+                if not line.endswith(b"\n") and len(line) == LINE_LIMIT:
+                    return False
                 rec = json.loads(line)
                 if not isinstance(rec, dict) or set(rec) != ERROR_KEYS:
                     return False
                 seen = True
             return seen
-    except (OSError, ValueError):
+    except (InputError, OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply for a record
         return False
 
 

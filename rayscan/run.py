@@ -26,7 +26,7 @@ from policyscan.cli.targets import Job
 from policyscan.engine.chat_template import choose_template, read_tokenizer_config
 from policyscan.engine.content import ContentGuard, Conversations
 from policyscan.engine.errors import PolicyscanError
-from policyscan.engine.files import file_sha256
+from policyscan.engine.files import input_file_sha256
 from policyscan.engine.pipeline import (Accounting, OutputSpec, _file_failure, _hashes, _row_error, commit_outputs,
                                         open_outputs, run_key, up_to_date)
 from policyscan.engine.policy import Policy
@@ -101,11 +101,12 @@ def _run(ray, model_dir: Path, policies: list[Policy], settings: EngineSettings,
                f"up to {actors} actor{'s' * (actors > 1)}, {each} each]", err=True)
     todo = []
     for job in jobs:
-        sha = file_sha256(job.files[0]) if per_input else None
+        sha = input_file_sha256(job.files[0]) if per_input else None
         if per_input and job.target.exists() and up_to_date(job.target, run_key(run, spec, out, sha)):
             click.echo(f"{job.files[0]}: up to date ({job.target})", err=True)
             continue
-        todo.append((job, [sha] if sha else None))
+        # every input hashed before Ray reads any: a change after the hash is then seen when the output commits
+        todo.append((job, [sha] if per_input else [input_file_sha256(f) for f in job.files]))
     units, job_of = [], []
     for j, (job, _) in enumerate(todo):
         for u in plan_units(job.files, spec):

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli_cases import SAMPLE
-from policyscan.cli import targets
+from policyscan.engine import sinks
 from policyscan.engine import files, pipeline
 from policyscan.engine.discover import expand_inputs
 from policyscan.engine.errors import InputError
@@ -105,16 +105,16 @@ def test_minus_o_dev_full_is_a_usage_error(logs):
 def test_the_errors_file_check_reads_bounded_lines(tmp_path, monkeypatch):
     """One endless line, or JSON nested past the parser's depth, is no errors file: never read whole, never a
     traceback."""
-    monkeypatch.setattr(targets, "LINE_LIMIT", 1024)
+    monkeypatch.setattr(sinks, "LINE_LIMIT", 1024)
     long = tmp_path / "long.jsonl"
     long.write_bytes(b"x" * 5000)
     deep = tmp_path / "deep.jsonl"
     deep.write_text("[" * 100_000 + "\n")
     real = tmp_path / "real.jsonl"
     real.write_text(json.dumps({"file": "a", "row": 1, "line": None, "id": "x", "reason": "why"}) + "\n")
-    assert not targets.wrote_errors_file(long) and not targets.wrote_errors_file(deep)
-    assert targets.wrote_errors_file(real)
-    assert not targets.wrote_errors_file(_fifo(tmp_path / "f.jsonl"))
+    assert not sinks.is_errors_file(long) and not sinks.is_errors_file(deep)
+    assert sinks.is_errors_file(real)
+    assert not sinks.is_errors_file(_fifo(tmp_path / "f.jsonl"))
 
 
 NAMED = [

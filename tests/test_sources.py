@@ -12,8 +12,9 @@ from policyscan.engine.errors import InputError
 from policyscan.engine.sources import PartialFileError, ReadSpec, expand_inputs, read_chunks
 
 
-def render(messages):
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+def render(value):
+    """As content.Conversations with no special tokens: a text as it is, messages as plain lines."""
+    return value if isinstance(value, str) else "\n".join(f"{m['role']}: {m['content']}" for m in value)
 
 
 def rows(path, spec=ReadSpec()):
