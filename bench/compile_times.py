@@ -1,6 +1,6 @@
 """Where a fresh machine's compile time goes (issue 35, docs/performance.md): a workload's kernel variants, as the
-engine's compile-ahead dry run finds them (engine/compile_ahead.py), compiled into an empty Triton cache by
-the engine's compiling workers (engine/compile_procs.py), each variant timed.
+engine's compile-ahead dry run finds them (engine/warmup/compile_ahead.py), compiled into an empty Triton cache by
+the engine's compiling workers (engine/warmup/compile_procs.py), each variant timed.
 
 Prints: a process's import of the kernels alone (one, and --workers at once, as the children of session 33 did);
 then, the workers started and their import done first (as the engine starts them before its model load), each
@@ -24,10 +24,10 @@ os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_times_")  # bef
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import prepare  # noqa: E402
 
-from policyscan.engine.compile_ahead import _dry_run, shape_classes  # noqa: E402
-from policyscan.engine.compile_procs import KERNEL_MODULES, Compilers  # noqa: E402
-from policyscan.engine.policy import load_policies  # noqa: E402
-from policyscan.engine.runner import Engine  # noqa: E402
+from policyscan.engine.warmup.compile_ahead import _dry_run, shape_classes  # noqa: E402
+from policyscan.engine.warmup.compile_procs import KERNEL_MODULES, Compilers  # noqa: E402
+from policyscan.engine.policy.bundle import load_policies  # noqa: E402
+from policyscan.engine.run.runner import Engine  # noqa: E402
 from policyscan.engine.settings import EngineSettings  # noqa: E402
 
 def import_seconds(modules: list[str], n: int) -> float:

@@ -26,12 +26,12 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 from bench.workloads import lengths  # noqa: E402
 from hf_fixtures import AdapterSpec, ALL, make_model, make_policy  # noqa: E402
-from policyscan.engine.batch import pack  # noqa: E402
-from policyscan.engine.checkpoint import Checkpoint  # noqa: E402
-from policyscan.engine.loader import attach_policies, load_decoder  # noqa: E402
-from policyscan.engine.policy import load_policy  # noqa: E402
-from policyscan.engine.precision import Precision  # noqa: E402
-from policyscan.engine.runner import default_threads  # noqa: E402
+from policyscan.engine.run.batch import pack  # noqa: E402
+from policyscan.engine.model.checkpoint import Checkpoint  # noqa: E402
+from policyscan.engine.model.loader import attach_policies, load_decoder  # noqa: E402
+from policyscan.engine.policy.bundle import load_policy  # noqa: E402
+from policyscan.engine.model.precision import Precision  # noqa: E402
+from policyscan.engine.run.runner import default_threads  # noqa: E402
 from policyscan.kernels import cpu_rows, reference  # noqa: E402
 
 SHAPES = {
@@ -54,7 +54,7 @@ def policyscan_tps(model: Path, policy: Path, seqs: list[list[int]], threads: in
     attach_policies(dec, [load_policy(policy)], [(3, 7)])
     cpu_rows.set_threads(threads)
     batches, cur = [], []
-    for s in seqs:  # packed batches of up to 8192 tokens, as engine/batch.py plans them
+    for s in seqs:  # packed batches of up to 8192 tokens, as engine/run/batch.py plans them
         if cur and sum(map(len, cur)) + len(s) > 8192:
             batches.append(cur)
             cur = []

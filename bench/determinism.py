@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import lengths, random_decoder, shape  # noqa: E402
 
-from policyscan.engine.batch import pack, plan_batches  # noqa: E402
-from policyscan.engine.graphs import GraphedForward  # noqa: E402
+from policyscan.engine.run.batch import pack, plan_batches  # noqa: E402
+from policyscan.engine.run.graphs import GraphedForward  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402
 
 DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: a dry run

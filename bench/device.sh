@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
 python3 -c "import torch, triton, pandas, pyarrow, transformers, peft, tokenizers, safetensors, click
-import policyscan.cli.main, policyscan.cli.score, policyscan.kernels.triton_ops, policyscan.engine.compile_procs"
+import policyscan.cli.main, policyscan.cli.score, policyscan.kernels.triton_ops, policyscan.engine.warmup.compile_procs"
 if [ -z "$SKIP_TESTS" ]; then
   python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q -s -p no:cacheprovider --durations=12 > $O/gpu_tests.log 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" $O/gpu_tests.log | tail -15

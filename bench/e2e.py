@@ -30,11 +30,11 @@ from synth import conversations  # noqa: E402
 from workloads import WORKLOADS, hf_peft_model, lengths, shape  # noqa: E402
 
 from policyscan.cli.common import clip_chars  # noqa: E402
-from policyscan.engine.pipeline import _encoded  # noqa: E402
-from policyscan.engine.policy import load_policies  # noqa: E402
-from policyscan.engine.runner import Engine  # noqa: E402
+from policyscan.engine.run.pipeline import _encoded  # noqa: E402
+from policyscan.engine.policy.bundle import load_policies  # noqa: E402
+from policyscan.engine.run.runner import Engine  # noqa: E402
 from policyscan.engine.settings import EngineSettings  # noqa: E402
-from policyscan.engine.sources import ReadSpec  # noqa: E402
+from policyscan.engine.inputs.sources import ReadSpec  # noqa: E402
 
 POLICY_PREFIX = "Policy {a}: the assistant must follow rule {a} of the compliance handbook.\nConversation:\n"
 

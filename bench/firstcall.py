@@ -16,11 +16,11 @@ import torch
 import triton
 
 from policyscan.cli.common import clip_chars
-from policyscan.engine.pipeline import OutputSpec, _encoded, score_inputs
-from policyscan.engine.policy import load_policies
-from policyscan.engine.runner import Engine
+from policyscan.engine.run.pipeline import OutputSpec, _encoded, score_inputs
+from policyscan.engine.policy.bundle import load_policies
+from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.sources import ReadSpec
+from policyscan.engine.inputs.sources import ReadSpec
 
 MISSES: list[str] = []
 

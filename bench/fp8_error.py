@@ -18,12 +18,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from policyscan.engine.batch import pack
-from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.loader import attach_policies, load_decoder
-from policyscan.engine.policy import load_policies
-from policyscan.engine.precision import Precision
-from policyscan.engine.runner import Engine
+from policyscan.engine.run.batch import pack
+from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.model.loader import attach_policies, load_decoder
+from policyscan.engine.policy.bundle import load_policies
+from policyscan.engine.model.precision import Precision
+from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
 from policyscan.kernels import reference
 

@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_error import forward, pairs, setup, texts  # noqa: E402
 
-from policyscan.engine import loader  # noqa: E402
-from policyscan.engine.checkpoint import Checkpoint  # noqa: E402
-from policyscan.engine.precision import Precision  # noqa: E402
+from policyscan.engine.model import loader  # noqa: E402
+from policyscan.engine.model.checkpoint import Checkpoint  # noqa: E402
+from policyscan.engine.model.precision import Precision  # noqa: E402
 from policyscan.kernels import reference  # noqa: E402
 from policyscan.kernels.reference import FP8, FP8_MAX  # noqa: E402
 

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import WORKLOADS, hf_peft_model, prompts, random_decoder, shape  # noqa: E402
 from power import PowerSampler, describe, layer_rate, sustained_gemm_rates  # noqa: E402
 
-from policyscan.engine.batch import pack, plan_batches  # noqa: E402
-from policyscan.engine.graphs import GraphedForward  # noqa: E402
+from policyscan.engine.run.batch import pack, plan_batches  # noqa: E402
+from policyscan.engine.run.graphs import GraphedForward  # noqa: E402
 from policyscan.engine.settings import EngineSettings  # noqa: E402
 from policyscan.kernels import triton_ops  # noqa: E402
 

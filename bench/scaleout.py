@@ -2,7 +2,7 @@
 call, each in a fresh process on one GPU, against today's path:
 
     (a) cli      `policyscan score`, scoring in its own process (what one GPU gets today)
-    (b) workers  the local multi-worker path (engine/workers.py) with one GPU worker
+    (b) workers  the local multi-worker path (engine/parallel/workers.py) with one GPU worker
     (c) ray      `policyscan score --ray` on a local Ray cluster of one GPU (one actor)
 
 Each: the process's wall time and its summary's own tokens/s; every output's p_ columns bitwise those of the
@@ -20,7 +20,7 @@ for compiling kernels or reading the checkpoint from disk.
 is `policyscan score` with cli.score._worker_devices answering the one device: the CLI's own settings, chat
 template, WorkerPool, score_inputs_workers, summary and metadata, with only that choice forced (the run is
 checked to have said "[1 workers: ...]"), and its workers' fork server started as the command line starts it when
-it will run workers (engine/worker_start.py). No CLI option does this: one worker on one GPU only costs a user.
+it will run workers (engine/parallel/worker_start.py). No CLI option does this: one worker on one GPU only costs a user.
 (c) The Ray cluster starts in this process before (c) is timed, as a cluster runs before its jobs; its start-up
 is printed apart. Every process sees one GPU (CUDA_VISIBLE_DEVICES), the cluster included.
 
@@ -53,9 +53,9 @@ LABELS = {"cli": "(a) policyscan score, in-process", "workers": "(b) local worke
           "ray": "(c) policyscan score --ray, 1 actor"}
 # Every path is launched alike, from a script file as the console script is (its workers re-import it as their
 # parent's main module); (b) with the CLI's device choice answering one worker (see the docstring) and the fork
-# server started first, as the command line starts it when it will run workers (engine/worker_start.py)
+# server started first, as the command line starts it when it will run workers (engine/parallel/worker_start.py)
 MAIN = "import policyscan.cli.main as m\nif __name__ == '__main__':\n    m.main()\n"
-WORKERS_MAIN = ("import policyscan.engine.worker_start as w\nw.prestart(['score', '--devices', 'all'])\n"
+WORKERS_MAIN = ("import policyscan.engine.parallel.worker_start as w\nw.prestart(['score', '--devices', 'all'])\n"
                 "import policyscan.cli.main as m, policyscan.cli.score as s\n"
                 "s._worker_devices = lambda device, devices, workers: ('cpu',) if device == 'cpu' else ('0',)\n"
                 "if __name__ == '__main__':\n    m.main()\n")

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from policyscan.engine.config import ModelConfig, RopeConfig
-from policyscan.engine.layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
-from policyscan.engine.loader import GROUPS
-from policyscan.engine.model import Decoder, DecoderLayer
-from policyscan.engine.precision import Precision
-from policyscan.engine.quant import quantize_weight
+from policyscan.engine.model.config import ModelConfig, RopeConfig
+from policyscan.engine.model.layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
+from policyscan.engine.model.loader import GROUPS
+from policyscan.engine.model.model import Decoder, DecoderLayer
+from policyscan.engine.model.precision import Precision
+from policyscan.engine.model.quant import quantize_weight
 
 LLAMA3_ROPE = RopeConfig(theta=500000.0, kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                          original_max_position=8192)

@@ -11,7 +11,7 @@ import numpy as np
 from policyscan.calibration.platt import PlattFit
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import file_sha256
-from policyscan.engine.sinks import commit_together, remove_leftovers, temp_path
+from policyscan.engine.outputs.sinks import commit_together, remove_leftovers, temp_path
 
 METHOD = "platt-newton (Lin, Lin & Weng 2007)"
 

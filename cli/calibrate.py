@@ -16,10 +16,10 @@ from policyscan.calibration.plot import reliability_plot, require_matplotlib
 from policyscan.calibration.precision_check import fp8_check
 from policyscan.calibration.record import data_sha256, write_calibration
 from policyscan.engine.errors import InputError
-from policyscan.engine.policy import load_policy
-from policyscan.engine.runner import Engine
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.sources import ReadSpec
+from policyscan.engine.inputs.sources import ReadSpec
 from policyscan.cli.common import (Share, conversation_options, check_lengths, clip_chars, default_model,
                                    engine_options, friendly_errors, input_files, model_option, resolve_chat_template)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from policyscan.engine.errors import InputError
-from policyscan.engine.sinks import read_metadata
+from policyscan.engine.outputs.sinks import read_metadata
 from policyscan.cli.common import default_model, friendly_errors, model_option
 
 BAD_LINES_SHOWN = 20
@@ -30,7 +30,7 @@ def inspect_cmd(path: str, model: str | None) -> None:
         enc = _encoder(model)
         _echo({"policies": [_policy(d, enc) for d in bundles]})
     elif p.is_dir():
-        from policyscan.engine.checkpoint import Checkpoint
+        from policyscan.engine.model.checkpoint import Checkpoint
 
         ck = Checkpoint.open(p)
         _echo({"model": str(p), "fp8": ck.fp8, **ck.config.__dict__, "rope": ck.config.rope.__dict__,
@@ -48,13 +48,13 @@ def _echo(obj: dict) -> None:
 
 
 def _encoder(model: str | None):
-    from policyscan.engine.prompts import TextEncoder
+    from policyscan.engine.text.prompts import TextEncoder
 
     return TextEncoder(model or default_model(), fast=False)
 
 
 def _policy(d: Path, enc) -> dict:
-    from policyscan.engine.policy import load_policy
+    from policyscan.engine.policy.bundle import load_policy
 
     pol = load_policy(d)
     ranks = sorted({a.shape[0] for a, _ in pol.lora.factors.values()})
@@ -90,7 +90,7 @@ def _parquet(p: Path) -> dict:
 
 def _jsonl(p: Path) -> dict:
     """Rows, the fields seen with their JSON types, and the lines that are not JSON objects."""
-    from policyscan.engine.jsonl import parsed_lines
+    from policyscan.engine.inputs.jsonl import parsed_lines
 
     rows, line_no, bad, columns = 0, 0, [], {}
     try:

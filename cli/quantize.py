@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from policyscan.engine.quant import quantize_checkpoint
+from policyscan.engine.model.quant import quantize_checkpoint
 from policyscan.cli.common import friendly_errors
 
 

@@ -14,13 +14,13 @@ import pyarrow.parquet as pq
 
 from policyscan.engine.files import input_file_sha256, not_regular
 from policyscan.engine.errors import PolicyscanError
-from policyscan.engine.pipeline import Accounting, OutputSpec, run_key, score_inputs, up_to_date
-from policyscan.engine.policy import Policy, load_policies
+from policyscan.engine.run.pipeline import Accounting, OutputSpec, run_key, score_inputs, up_to_date
+from policyscan.engine.policy.bundle import Policy, load_policies
 from policyscan.engine.settings import MAX_DEVICES, WORKERS_PER_CPU, EngineSettings, max_workers
-from policyscan.engine.sinks import check_keep, output_columns
-from policyscan.engine.sources import ReadSpec
-from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
-from policyscan.engine.workers_run import score_inputs_workers
+from policyscan.engine.outputs.sinks import check_keep, output_columns
+from policyscan.engine.inputs.sources import ReadSpec
+from policyscan.engine.parallel.workers import WorkerConfig, WorkerPool, parse_devices
+from policyscan.engine.parallel.workers_run import score_inputs_workers
 from policyscan.cli.common import (EXIT_OK, EXIT_ROW_ERRORS, conversation_options, check_devices, check_lengths,
                                    clip_chars, default_model, default_policies, engine_options, friendly_errors,
                                    input_files, model_option, preload_arrow, protected_files, resolve_chat_template,
@@ -28,7 +28,7 @@ from policyscan.cli.common import (EXIT_OK, EXIT_ROW_ERRORS, conversation_option
 from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
 
 if TYPE_CHECKING:  # torch: imported where this process scores, so that `score --ray` never loads it
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.run.runner import Engine
 
 
 @click.command()
@@ -135,7 +135,7 @@ def _check_no_address_among(inputs: tuple[str, ...]) -> None:
 def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_dir: Path, settings: EngineSettings,
            spec: ReadSpec, out: OutputSpec, per_input: bool, progress: bool) -> Accounting:
     if pool is None:
-        from policyscan.engine.runner import Engine
+        from policyscan.engine.run.runner import Engine
 
         engine = Engine(model_dir, pols, settings)
         click.echo(f"policyscan: {len(engine.policies)} policies ({', '.join(p.name for p in engine.policies)}) on "

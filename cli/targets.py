@@ -14,7 +14,7 @@ import click
 
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.files import MISSING, not_regular
-from policyscan.engine.sinks import is_errors_file, meta_path, read_metadata
+from policyscan.engine.outputs.sinks import is_errors_file, meta_path, read_metadata
 from policyscan.cli.common import check_writable_dir, refuse_overwrites
 
 SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "jsonl"))

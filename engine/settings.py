@@ -79,9 +79,9 @@ class EngineSettings:
     batch_tokens: int = 65536
     max_length: int = 2048
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it
-    cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/graphs.py)
+    cuda_graphs: bool = True   # GPU only; bitwise the same either way (engine/run/graphs.py)
     compile_ahead: bool = True  # GPU only: kernels compile in parallel at load, not one by one in the first
-    # batches; the same bits either way (engine/compile_ahead.py)
+    # batches; the same bits either way (engine/warmup/compile_ahead.py)
     chat_template: str | None = None  # --chat-template; None: the policies' chat_template, else the model's
     text_is_rendered: bool = False  # --text-is-rendered: a text column's special-token strings are control tokens
     threads: int | None = None  # CPU path only (cpu_rows.set_threads); None: default_threads(); f is the same

@@ -23,17 +23,17 @@ import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
 from policyscan.cli.targets import Job
-from policyscan.engine.chat_template import choose_template, read_tokenizer_config
-from policyscan.engine.content import ContentGuard, Conversations
+from policyscan.engine.text.chat_template import choose_template, read_tokenizer_config
+from policyscan.engine.text.content import ContentGuard, Conversations
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import input_file_sha256
-from policyscan.engine.pipeline import (Accounting, OutputSpec, _file_failure, _hashes, _row_error, commit_outputs,
+from policyscan.engine.run.pipeline import (Accounting, OutputSpec, file_failure, hash_ids, row_error, commit_outputs,
                                         open_outputs, run_key, up_to_date)
-from policyscan.engine.policy import Policy
-from policyscan.engine.rows import Chunk, ReadSpec
+from policyscan.engine.policy.bundle import Policy
+from policyscan.engine.inputs.rows import Chunk, ReadSpec
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.units import plan_units
-from policyscan.engine.workers_proc import Failed
+from policyscan.engine.inputs.units import plan_units
+from policyscan.engine.parallel.workers_proc import Failed
 from policyscan.ray.cluster import connect, plan_actors, probe, unwrap
 from policyscan.ray.read import ERROR, SOURCE, TEXT, pack, read_units, unpack
 from policyscan.ray.scorer import PolicyScorer
@@ -174,7 +174,7 @@ def _write(ray, batches, todo: list[tuple[Job, list[str] | None]], job_of: list[
 
 
 class _Output:
-    """One job's writers and accounting: the scorer's rows written as pipeline._score_chunk writes a chunk's."""
+    """One job's writers and accounting: the scorer's rows written as pipeline.score_chunk writes a chunk's."""
 
     def __init__(self, job: Job, shas: list[str] | None, policies: list[Policy], spec: ReadSpec, out: OutputSpec,
                  keyed: bool):
@@ -203,7 +203,7 @@ class _Output:
     def _failed(self, t: pa.Table) -> None:
         src, errors = t.column(SOURCE).to_pylist(), t.column("error").to_pylist()
         for s, message in zip(src, errors):
-            _file_failure(Failed(s["file"], message, s["row"], s["total"]).failure(), self.err, self.acc, self.strict)
+            file_failure(Failed(s["file"], message, s["row"], s["total"]).failure(), self.err, self.acc, self.strict)
 
     def _rows(self, t: pa.Table) -> None:
         src = t.column(SOURCE).combine_chunks()
@@ -215,14 +215,14 @@ class _Output:
         files, rows, lines = (src.field(k).to_pylist() for k in ("file", "row", "line"))
         for i in np.flatnonzero(~ok):  # in row order (one process lists a chunk's non-finite f after its others)
             where = Chunk(files[i], rows[i], ids.slice(i, 1), [], [errors[i]], [lines[i]] if lines[i] else None)
-            _row_error(where, 0, errors[i], self.err, self.strict)
+            row_error(where, 0, errors[i], self.err, self.strict)
         idx = pa.array(np.flatnonzero(ok))
         names = [p.name for p in self.policies]
         p, f, cut = (np.stack([t.column(f"{c}_{n}").combine_chunks().take(idx).to_numpy(zero_copy_only=False)
                                for n in names], axis=1) for c in ("p", "f", "truncated"))
         kept = ids.take(idx)
         self.writer.write(kept, {k: t.column(k).combine_chunks().take(idx) for k in self.keep}, p, f, cut)
-        self.hashes.append(_hashes(kept))
+        self.hashes.append(hash_ids(kept))
         self.acc.rows_scored += len(idx)
         self.acc.prompt_tokens += _sum(t.column("prompt_tokens"))
         self.acc.truncated_prompts += sum(_sum(t.column(f"truncated_{n}")) for n in names)

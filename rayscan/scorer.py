@@ -3,7 +3,7 @@
     ds.map_batches(PolicyScorer, fn_constructor_kwargs={"model": DIR, "policies": [BUNDLE, ...]},
                    compute=ray.data.ActorPoolStrategy(size=N), num_gpus=1, batch_size=4096, batch_format="pyarrow")
 
-A batch is scored as the single-process pipeline scores a chunk (pipeline.encode_chunk, pipeline._score_chunk on
+A batch is scored as the single-process pipeline scores a chunk (pipeline.encode_chunk, pipeline.score_chunk on
 the same Engine), so p and f are bitwise those of `policyscan score` with the same settings on the same kind of
 device. Every input row comes out, in input order: scored, or with `error` saying why it was not."""
 from __future__ import annotations
@@ -19,11 +19,11 @@ import pyarrow as pa
 
 from policyscan.cli.common import clip_chars
 from policyscan.engine.errors import InputError
-from policyscan.engine.pipeline import Accounting, _score_chunk, encode_chunk
-from policyscan.engine.policy import Policy, load_policies
-from policyscan.engine.rows import Chunk, ReadSpec, clip, conversation, pick_column
+from policyscan.engine.run.pipeline import Accounting, score_chunk, encode_chunk
+from policyscan.engine.policy.bundle import Policy, load_policies
+from policyscan.engine.inputs.rows import Chunk, ReadSpec, clip, conversation, pick_column
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.workers_proc import _Recorder
+from policyscan.engine.parallel.workers_proc import Recorder
 
 KILL_ENV = "POLICYSCAN_TEST_RAY_KILL"  # tests only: a file; an actor at its second batch while it exists is killed
 _WHERE = Path("a Ray batch")  # what the column errors name in place of a file
@@ -64,7 +64,7 @@ class PolicyScorer:
         self.path_column, self.row_column, self.error_column = path_column, row_column, error_column
         self.raw, self.truncation, self.provenance = raw, truncation, provenance
         self.checked = checked  # texts already checked and rendered by policyscan's readers (score --ray)
-        from policyscan.engine.runner import Engine  # torch: in the actor; the driver and the read tasks go without
+        from policyscan.engine.run.runner import Engine  # torch: in the actor; the driver and the read tasks go without
 
         self.engine = Engine(Path(model), pols, settings)
         self.names = [p.name for p in self.engine.policies]
@@ -78,9 +78,9 @@ class PolicyScorer:
         chunk, clipped = self._chunk(batch)
         chunk, convs = encode_chunk(self.engine, chunk)
         engine_rows = np.flatnonzero([e is None for e in chunk.errors])  # the rows whose prompts are run
-        rec = _Recorder()
+        rec = Recorder()
         acc = Accounting(above_threshold={n: 0 for n in self.names})
-        _score_chunk(self.engine, chunk, convs, rec, rec, acc, strict=False)
+        score_chunk(self.engine, chunk, convs, rec, rec, acc, strict=False)
         errors: list[str | None] = [None] * len(chunk)
         for _, i, _, _, reason in rec.errors:  # (file, row, line, id, reason); the chunk's row i is batch row i
             errors[i] = reason

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyscan.engine.batch import pack, plan_batches
+from policyscan.engine.run.batch import pack, plan_batches
 
 
 @settings(max_examples=200, deadline=None)

@@ -143,10 +143,10 @@ def test_calibrate_names_a_labeled_row_the_tokenizer_drops(tmp_path):
     """Every labeled row must be scored: one that encodes to nothing stops the fit, naming its file and row."""
     from policyscan.calibration.labeled import score_labeled
     from policyscan.engine.errors import InputError
-    from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
-    from policyscan.engine.sources import ReadSpec
+    from policyscan.engine.inputs.sources import ReadSpec
 
     engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"])[:1], EngineSettings("cpu", max_length=256))
     real = engine.encoder.encode_batch

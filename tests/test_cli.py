@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 from cli_cases import MSG, SAMPLE, run
 from policyscan.cli.main import cli
-from policyscan.engine import pipeline
-from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.sinks import read_metadata
+from policyscan.engine.run import pipeline
+from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.outputs.sinks import read_metadata
 
 
 def test_sample_parquet_wide_with_metadata(tmp_path, sample_slice):
@@ -100,7 +100,7 @@ def test_output_dir_scores_a_new_output_before_the_model_hash(tmp_path, monkeypa
     import threading
 
     scored, order = threading.Event(), []
-    fingerprint, score_chunk = Checkpoint.fingerprint, pipeline._score_chunk
+    fingerprint, score_chunk = Checkpoint.fingerprint, pipeline.score_chunk
 
     def slow_fingerprint(self):
         scored.wait(60)  # a scoring that waited for the hash would wait here the whole minute
@@ -114,7 +114,7 @@ def test_output_dir_scores_a_new_output_before_the_model_hash(tmp_path, monkeypa
         return score_chunk(*args, **kwargs)
 
     monkeypatch.setattr(Checkpoint, "fingerprint", slow_fingerprint)
-    monkeypatch.setattr(pipeline, "_score_chunk", first_chunk)
+    monkeypatch.setattr(pipeline, "score_chunk", first_chunk)
     arch, outdir = tmp_path / "archive", tmp_path / "scores"
     arch.mkdir()
     pq.write_table(pa.table({"id": ["a"], "text": ["hello"]}), arch / "d1.parquet")
@@ -191,11 +191,11 @@ def test_verify_reports_a_changed_row(tmp_path, sample_slice):
 
 def test_many_chunks_and_two_inputs_into_one_output(tmp_path, sample_slice):
     """Chunked reading and writing keep every row, in order, across chunks and files."""
-    from policyscan.engine.pipeline import OutputSpec, score_inputs
-    from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.run.pipeline import OutputSpec, score_inputs
+    from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
-    from policyscan.engine.sources import ReadSpec
+    from policyscan.engine.inputs.sources import ReadSpec
 
     engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", batch_tokens=4096))
     out = tmp_path / "o.parquet"

@@ -36,7 +36,7 @@ def test_unreadable_file_is_reported_and_the_run_goes_on(tmp_path):
 
 
 def test_interrupt_leaves_no_partial_file(tmp_path, monkeypatch):
-    from policyscan.engine import runner
+    from policyscan.engine.run import runner
 
     def boom(self, convs):
         raise KeyboardInterrupt
@@ -76,11 +76,11 @@ def test_wrong_adapter_for_the_model(tmp_path):
 
 def test_a_text_the_tokenizer_drops_is_an_error_row(tmp_path):
     """Some tokenizers normalize a text to nothing; with no BOS or template that would be an empty prompt."""
-    from policyscan.engine.pipeline import OutputSpec, score_inputs
-    from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.run.pipeline import OutputSpec, score_inputs
+    from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
-    from policyscan.engine.sources import ReadSpec
+    from policyscan.engine.inputs.sources import ReadSpec
 
     engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", max_length=256))
     real = engine.encoder.encode_batch

@@ -1,4 +1,4 @@
-"""Kernels compile ahead, in parallel, at load (engine/compile_ahead.py): on a fresh Triton cache every variant
+"""Kernels compile ahead, in parallel, at load (engine/warmup/compile_ahead.py): on a fresh Triton cache every variant
 the run launches was compiled by the pool from a dry run on the shaped decoder (not the fallback after the
 load), a second process compiles nothing, and f is bitwise what a run that compiles each kernel at its first
 launch gives. Fresh processes, since Triton keeps compiled kernels in memory."""
@@ -19,10 +19,10 @@ import json, sys
 from dataclasses import asdict
 from pathlib import Path
 import numpy as np, triton
-from policyscan.engine.compile_ahead import Variant, _marker_dir
-from policyscan.engine.policy import load_policies
-from policyscan.engine import runner
-from policyscan.engine.runner import Engine
+from policyscan.engine.warmup.compile_ahead import Variant, _marker_dir
+from policyscan.engine.policy.bundle import load_policies
+from policyscan.engine.run import runner
+from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
 
 model, policies, ahead = sys.argv[1], sys.argv[2], sys.argv[3] == "1"

@@ -1,4 +1,4 @@
-"""compile_ahead's bookkeeping on a CPU (engine/compile_ahead.py), its dry run stood in for by fake variants of
+"""compile_ahead's bookkeeping on a CPU (engine/warmup/compile_ahead.py), its dry run stood in for by fake variants of
 tests/fake_kernels.py: the variants compile in the background as the dry run meets them, markers and a manifest
 record them, a second run reports them cached without a dry run and closes the children it was given, a variant
 that fails leaves no manifest, and cancel() ends the children."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from policyscan.engine import compile_ahead as ca
-from policyscan.engine.compile_procs import Compilers
+from policyscan.engine.warmup import compile_ahead as ca
+from policyscan.engine.warmup.compile_procs import Compilers
 
 HERE = Path(__file__).resolve().parent
 
@@ -106,7 +106,7 @@ def test_the_engine_never_fails_for_compile_ahead_and_keeps_its_children_for_the
     """runner's two steps: a shaped decoder that cannot be built leaves the children to the dry run after the
     load; a compile-ahead that fails after the load reports nothing and ends them (the kernels then compile at
     launch)."""
-    from policyscan.engine import runner
+    from policyscan.engine.run import runner
     from policyscan.engine.settings import EngineSettings
 
     def no_shapes(*args):
@@ -157,7 +157,7 @@ def test_of_the_variants_waiting_the_slowest_kernels_are_handed_out_first(fake):
 
 
 def test_ctrl_c_in_the_compile_after_the_load_ends_the_workers(fake, monkeypatch):
-    from policyscan.engine import runner
+    from policyscan.engine.run import runner
     from policyscan.engine.settings import EngineSettings
 
     def interrupted(*args, **kwargs):

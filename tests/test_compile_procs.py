@@ -1,4 +1,4 @@
-"""Kernel variants compiled in child processes (engine/compile_procs.py), on a CPU with a stand-in kernel module:
+"""Kernel variants compiled in child processes (engine/warmup/compile_procs.py), on a CPU with a stand-in kernel module:
 every variant once, failures reported per variant (whatever their message holds) and never raised, several
 workers at work at once, the kernels'
 modules imported once as the process starts (before any variant is known) and shared by the forked workers, a
@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from policyscan.engine.compile_procs import Compilers
+from policyscan.engine.warmup.compile_procs import Compilers
 
 HERE = Path(__file__).resolve().parent
 

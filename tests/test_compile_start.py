@@ -1,4 +1,4 @@
-"""The compiling workers started at the command line's start (engine/compile_start.py): only for a run that will
+"""The compiling workers started at the command line's start (engine/warmup/compile_start.py): only for a run that will
 compile kernels on a GPU of this process on a machine whose Triton cache holds no policyscan variant; the engine
 takes them over, ends them when the run compiled before or runs on the CPU, and nothing outlives the process."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from policyscan.engine import compile_ahead as ca
-from policyscan.engine import compile_start
-from policyscan.engine.compile_procs import Compilers
+from policyscan.engine.warmup import compile_ahead as ca
+from policyscan.engine.warmup import compile_start
+from policyscan.engine.warmup.compile_procs import Compilers
 
 HERE = Path(__file__).resolve().parent
 
@@ -82,7 +82,7 @@ def test_early_workers_the_run_never_takes_end_with_the_process(monkeypatch, tmp
     _fake(monkeypatch, tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    code = ("import pathlib, sys; from policyscan.engine import compile_start as c; "
+    code = ("import pathlib, sys; from policyscan.engine.warmup import compile_start as c; "
             f"c.KERNEL_MODULES, c.NVIDIA_GPUS = ('fake_kernels',), pathlib.Path({str(tmp_path)!r}); "
             "c.prestart(['score', 'missing.parquet']); print(c._STARTED[0].process.pid, flush=True); sys.exit(2)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

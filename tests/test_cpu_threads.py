@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from hf_fixtures import make_bundle
-from policyscan.engine.batch import pack
-from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.run.batch import pack
+from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.errors import PolicyscanError
-from policyscan.engine.loader import attach_policies, load_decoder
-from policyscan.engine.policy import load_policy
-from policyscan.engine.precision import Precision
-from policyscan.engine.runner import Engine
+from policyscan.engine.model.loader import attach_policies, load_decoder
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.model.precision import Precision
+from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
 from policyscan.kernels import cpu_rows, reference
 

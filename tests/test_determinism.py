@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from hf_fixtures import hf_config, make_model, write_policies
-from policyscan.engine.sinks import read_metadata
+from policyscan.engine.outputs.sinks import read_metadata
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 TEMPLATE = {"prefix": "Policy: the assistant must not break rule 7.\nConversation:\n", "suffix": "\nVerdict:"}
@@ -100,8 +100,8 @@ def test_gpu_scores_are_bitwise_equal_across_processes(tmp_path, n_policies, row
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_gpu_f_does_not_depend_on_batch_tokens_or_graphs(tmp_path, precision):
     """64 policies, through the Engine: every budget, with and without CUDA graphs, bitwise the same f."""
-    from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
 
     model, policies = bundle(tmp_path, 64, **DEEP)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from hf_fixtures import WIDE_SPECS, hf_scores, make_bundle
-from policyscan.engine.batch import pack
-from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.loader import attach_policies, load_decoder
-from policyscan.engine.policy import load_policy
-from policyscan.engine.precision import Precision
-from policyscan.engine.quant import quantize_checkpoint
+from policyscan.engine.run.batch import pack
+from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.model.loader import attach_policies, load_decoder
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.model.precision import Precision
+from policyscan.engine.model.quant import quantize_checkpoint
 from policyscan.kernels import reference
 
 pytest.importorskip("transformers")

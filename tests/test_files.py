@@ -8,7 +8,7 @@ import pytest
 from conftest import SAMPLE
 
 from policyscan.engine import files
-from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.model.checkpoint import Checkpoint
 
 
 @pytest.fixture

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from hf_fixtures import hf_scores, make_bundle
-from policyscan.engine.batch import pack
-from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.config import ModelConfig
+from policyscan.engine.run.batch import pack
+from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.model.config import ModelConfig
 from policyscan.engine.errors import CheckpointError
-from policyscan.engine.loader import attach_policies, load_decoder
-from policyscan.engine.policy import load_policy
-from policyscan.engine.precision import Precision
+from policyscan.engine.model.loader import attach_policies, load_decoder
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.model.precision import Precision
 from policyscan.kernels import reference
 from policyscan.kernels.reference import AttnShape, PrefixKV
 

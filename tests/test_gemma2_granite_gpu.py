@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_fixtures import make_bundle
-from policyscan.engine.batch import pack
+from policyscan.engine.run.batch import pack
 from test_gpu_engine import decoder
 
 pytestmark = pytest.mark.gpu

@@ -5,7 +5,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from policyscan.engine.sinks import read_metadata
+from policyscan.engine.outputs.sinks import read_metadata
 from test_cli import SAMPLE, run
 
 pytestmark = pytest.mark.gpu

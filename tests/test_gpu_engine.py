@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from hf_fixtures import WIDE_SPECS, hf_scores, make_bundle
-from policyscan.engine.batch import pack
-from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.loader import attach_policies, load_decoder
-from policyscan.engine.policy import load_policy
-from policyscan.engine.precision import Precision
+from policyscan.engine.run.batch import pack
+from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.model.loader import attach_policies, load_decoder
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.model.precision import Precision
 
 pytestmark = pytest.mark.gpu
 LABELS = [(3, 7), (11, 5), (20, 21)]
@@ -61,7 +61,7 @@ def test_gpu_engine_matches_reference_and_hf(tmp_path, arch):
 def test_cuda_graph_replay_is_bitwise_eager(tmp_path, fp8):
     """Batches replayed from CUDA graphs (padded to their buckets, graphs reused across batches) give
     bitwise the eager forward's f, with and without a prefix cache; a batch above max_tokens runs eagerly."""
-    from policyscan.engine.graphs import GraphedForward
+    from policyscan.engine.run.graphs import GraphedForward
     from policyscan.kernels import triton_ops
 
     dirs = make_bundle(tmp_path, "qwen3")

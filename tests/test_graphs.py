@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from hf_fixtures import make_bundle
-from policyscan.engine.batch import pack
-from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.graphs import fill, static_batch
-from policyscan.engine.loader import attach_policies, load_decoder
-from policyscan.engine.policy import load_policy
-from policyscan.engine.precision import Precision
+from policyscan.engine.run.batch import pack
+from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.run.graphs import fill, static_batch
+from policyscan.engine.model.loader import attach_policies, load_decoder
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.model.precision import Precision
 from policyscan.kernels import reference
 
 LABELS = [(3, 7), (11, 5), (20, 21)]

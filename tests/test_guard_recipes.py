@@ -17,9 +17,9 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from policyscan.engine.errors import PolicyError
-from policyscan.engine.policy import load_policy
-from policyscan.engine.prompts import PromptBuilder, TextEncoder
-from policyscan.engine.runner import Engine
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.text.prompts import PromptBuilder, TextEncoder
+from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
 
 GUARDS = Path(__file__).resolve().parent.parent / "examples" / "guards"

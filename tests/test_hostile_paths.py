@@ -20,17 +20,18 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli_cases import SAMPLE
-from policyscan.engine import sinks
-from policyscan.engine import files, pipeline
-from policyscan.engine.discover import expand_inputs
+from policyscan.engine.outputs import sinks
+from policyscan.engine import files
+from policyscan.engine.run import pipeline
+from policyscan.engine.inputs.discover import expand_inputs
 from policyscan.engine.errors import InputError
-from policyscan.engine.pipeline import OutputSpec, StrictStop, run_key, score_inputs, up_to_date
-from policyscan.engine.policy import load_policies
-from policyscan.engine.runner import Engine
+from policyscan.engine.run.pipeline import OutputSpec, StrictStop, run_key, score_inputs, up_to_date
+from policyscan.engine.policy.bundle import load_policies
+from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.sources import ReadSpec, read_chunks
-from policyscan.engine.workers import WorkerConfig, WorkerPool
-from policyscan.engine.workers_run import score_inputs_workers
+from policyscan.engine.inputs.sources import ReadSpec, read_chunks
+from policyscan.engine.parallel.workers import WorkerConfig, WorkerPool
+from policyscan.engine.parallel.workers_run import score_inputs_workers
 
 LINES = (SAMPLE / "conversations.jsonl").read_text().splitlines(keepends=True)
 SETTINGS = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)

@@ -8,11 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_fixtures import make_bundle
-from policyscan.engine.batch import pack
-from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.loader import attach_policies, load_decoder
-from policyscan.engine.policy import load_policy
-from policyscan.engine.precision import Precision
+from policyscan.engine.run.batch import pack
+from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.model.loader import attach_policies, load_decoder
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.model.precision import Precision
 
 LABELS = [(3, 7), (11, 5), (20, 21)]
 VARIANTS = [pytest.param("cpu", torch.float32, False, id="cpu-fp32"),
@@ -78,9 +78,9 @@ def test_prefix_cache_is_bitwise_recompute(device, precision):
     import numpy as np
     import pyarrow.parquet as pq
 
-    from policyscan.engine.policy import load_policies
-    from policyscan.engine.prompts import render_messages
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.text.prompts import render_messages
+    from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
 
     sample = Path(__file__).resolve().parent.parent / "sample_data"

@@ -10,12 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from cli_cases import SAMPLE
 from hf_fixtures import SPECS, make_model, make_policy
-from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.files import in_background
 from policyscan.engine.errors import CheckpointError, PolicyError
-from policyscan.engine.loader import attach_policies, load_decoder
-from policyscan.engine.policy import load_policy
-from policyscan.engine.precision import Precision
+from policyscan.engine.model.loader import attach_policies, load_decoder
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.model.precision import Precision
 from policyscan.kernels import reference
 
 
@@ -189,8 +189,8 @@ def test_batch_tokens_beyond_32bit_offsets_is_refused_at_load(tmp_path):
     the largest --batch-tokens that works, before any weight is read (a model this wide, so that a --batch-tokens
     within its own limit reaches it)."""
     from policyscan.engine.errors import PolicyscanError
-    from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
 
     widest = 1200  # the intermediate size: wider than hidden (96) and qkv ((6 + 2 * 2) * 16)

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from policyscan.engine.errors import InputError
-from policyscan.engine.sources import ReadSpec, expand_inputs, read_chunks
+from policyscan.engine.inputs.sources import ReadSpec, expand_inputs, read_chunks
 from test_sources import render, rows
 
 

@@ -100,7 +100,7 @@ def _previous_run(tmp_path: Path) -> tuple[Path, Path, Path, dict]:
 
 def test_a_full_disk_changes_neither_output_nor_errors_file(tmp_path, monkeypatch):
     """ENOSPC while the output is finished: one line, exit 1, the earlier output and errors file as they were."""
-    from policyscan.engine import sinks
+    from policyscan.engine.outputs import sinks
 
     logs, out, errs, before = _previous_run(tmp_path)
 
@@ -117,7 +117,7 @@ def test_a_full_disk_changes_neither_output_nor_errors_file(tmp_path, monkeypatc
 
 def test_a_failed_rename_puts_both_files_back(tmp_path, monkeypatch):
     """The errors file is renamed into place first; when the output's rename then fails, it is put back."""
-    from policyscan.engine import sinks
+    from policyscan.engine.outputs import sinks
 
     logs, out, errs, before = _previous_run(tmp_path)
     real = os.replace

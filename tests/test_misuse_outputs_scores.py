@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from cli_cases import SAMPLE
 from policyscan.cli.main import cli
-from policyscan.engine.sinks import read_metadata
+from policyscan.engine.outputs.sinks import read_metadata
 
 
 def _log(path: Path, rows: list[tuple[str, str]]) -> Path:
@@ -48,7 +48,7 @@ def test_non_finite_adapter_weights_refuse_the_policy(tmp_path):
 
 
 def test_a_row_whose_f_is_not_finite_goes_to_the_errors_file(tmp_path, monkeypatch):
-    from policyscan.engine import runner
+    from policyscan.engine.run import runner
 
     real = runner.Engine.score_conversations
 
@@ -124,7 +124,7 @@ def test_verify_from_another_directory_and_after_a_move(tmp_path, monkeypatch):
 
 def test_output_folder_problems_are_usage_errors_before_scoring(tmp_path, monkeypatch):
     from policyscan.cli import common
-    from policyscan.engine import runner
+    from policyscan.engine.run import runner
 
     monkeypatch.setattr(runner.Engine, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     src = _log(tmp_path / "l.jsonl", ROWS)

@@ -14,7 +14,7 @@ from cli_cases import SAMPLE
 from test_keep_collisions import policyscan
 from policyscan.engine.settings import (MAX_BATCH_TOKENS, MAX_DEVICES, MAX_LENGTH_LIMIT, EngineSettings, OptionError,
                                         max_threads, max_workers)
-from policyscan.engine.sinks import read_metadata
+from policyscan.engine.outputs.sinks import read_metadata
 
 CPUS = os.cpu_count() or 1
 LOGS = SAMPLE / "conversations.parquet"

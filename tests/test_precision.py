@@ -1,4 +1,4 @@
-"""Precision is decided once (engine/precision.py), validated, and what the loader and the decoder follow."""
+"""Precision is decided once (engine/model/precision.py), validated, and what the loader and the decoder follow."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine.loader import load_decoder
-from policyscan.engine.precision import Precision, decide_precision
-from policyscan.engine.quant import quantize_checkpoint
+from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.model.loader import load_decoder
+from policyscan.engine.model.precision import Precision, decide_precision
+from policyscan.engine.model.quant import quantize_checkpoint
 from policyscan.kernels import reference
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"

@@ -9,8 +9,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from policyscan.cli.main import cli
-from policyscan.engine.policy import load_policy
-from policyscan.engine.precision import choose_precision
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.model.precision import choose_precision
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 
@@ -45,7 +45,7 @@ def test_auto_takes_bf16_on_a_gpu_when_a_policy_flips_too_often(tmp_path):
 
 
 def test_the_flip_limit_is_an_option_and_recorded(tmp_path, sample_slice):
-    from policyscan.engine.sinks import read_metadata
+    from policyscan.engine.outputs.sinks import read_metadata
 
     out = tmp_path / "o.parquet"
     res = CliRunner().invoke(cli, ["score", str(sample_slice["parquet"]), "-o", str(out), "--no-progress",

@@ -1,4 +1,4 @@
-"""The checkpoint stream (engine/read_ahead.py): every tensor bitwise what safetensors reads, whatever the dtype,
+"""The checkpoint stream (engine/model/read_ahead.py): every tensor bitwise what safetensors reads, whatever the dtype,
 size or order asked in, across shards and staging-slot reuse; names outside the stream read as before; a file cut
 short after it was opened is an error naming it; closing midway leaves no thread behind."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from policyscan.engine import read_ahead
-from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.model import read_ahead
+from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.errors import CheckpointError
-from policyscan.engine.read_ahead import ReadAhead, stream_order
+from policyscan.engine.model.read_ahead import ReadAhead, stream_order
 from hf_fixtures import make_model
 
 
@@ -132,8 +132,8 @@ def _tensors(obj, path: str = "decoder", seen=None) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
 def test_the_shaped_decoder_has_the_loaded_ones_shapes_dtypes_and_strides(tmp_path, precision):
     """compile-ahead's dry run runs on shaped_decoder: its kernels' variants are those of the real load's."""
-    from policyscan.engine.loader import load_decoder, shaped_decoder
-    from policyscan.engine.precision import decide_precision
+    from policyscan.engine.model.loader import load_decoder, shaped_decoder
+    from policyscan.engine.model.precision import decide_precision
     from policyscan.kernels import reference
 
     make_model(tmp_path, "qwen3", shard="60KB")
@@ -152,9 +152,9 @@ def test_the_shaped_decoders_lora_stacks_decide_the_same_variants(tmp_path, spec
     """The dry run's decoder gets its LoRA stacks from factors of 1 (factors_on(values=False)): every stack's
     shape, dtype and stride and every rank span (which picks the GEMM's expand width) are the real ones'."""
     from hf_fixtures import WIDE_SPECS, make_bundle
-    from policyscan.engine.loader import attach_policies, factors_on, load_decoder, shaped_decoder
-    from policyscan.engine.policy import load_policies
-    from policyscan.engine.precision import Precision
+    from policyscan.engine.model.loader import attach_policies, factors_on, load_decoder, shaped_decoder
+    from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.model.precision import Precision
     from policyscan.kernels import reference
 
     # q, k and v 256, 128 and 128 wide: their rank blocks fall in separate 128-column blocks of the qkv stack

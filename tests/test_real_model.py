@@ -47,8 +47,8 @@ def prompt_only(root: Path) -> list[Path]:
 def test_cpu_fp32_matches_transformers_on_a_real_model(tmp_path, smollm2):
     import transformers as tf
 
-    from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
 
     # 10 conversations, 20 prompts: 20 conversations took 34 s of a 2-core machine's test run, for no new case
@@ -90,8 +90,8 @@ def test_gpu_on_a_real_model_within_its_cpu_twin(tmp_path, smollm2, precision):
     printed beside it (the figure issue 7 compares FP8 with)."""
     import transformers as tf
 
-    from policyscan.engine.policy import load_policies
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
 
     pols = load_policies(prompt_only(tmp_path))

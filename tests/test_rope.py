@@ -157,9 +157,9 @@ def test_gemm_epilogue_rope_is_the_pass(shape, cols):
 def test_decoder_rope_tables_follow_the_engine(fp8):
     """Decoder.rope_tables: fp64 angles; with FP8 activations rounded to fp16 and packed for the qkv GEMM's
     epilogue, exact fp32 otherwise; grown on demand, the values never depend on the size."""
-    from policyscan.engine.config import ModelConfig, RopeConfig, inv_freq
-    from policyscan.engine.model import Decoder
-    from policyscan.engine.precision import Precision
+    from policyscan.engine.model.config import ModelConfig, RopeConfig, inv_freq
+    from policyscan.engine.model.model import Decoder
+    from policyscan.engine.model.precision import Precision
     cfg = ModelConfig("llama", 64, 96, 1, 4, 2, 16, 100, 1e-5, RopeConfig(10000.0), True)
     dec = Decoder(cfg, Precision(torch.bfloat16, fp8, fp8), torch.zeros(100, 64, dtype=torch.bfloat16), [],
                   torch.ones(64), reference, lambda ids: None)

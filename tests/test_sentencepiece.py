@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from policyscan.engine.errors import PolicyError
-from policyscan.engine.policy import load_policy
-from policyscan.engine.prompts import PromptBuilder, TextEncoder
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.text.prompts import PromptBuilder, TextEncoder
 
 CORPUS = ["user: my SSN is 123-45-6789.\nassistant: I can't store that.", "Question: is it safe?\nConversation:\n",
           "Answer: Yes", "Answer: No", "user: hello there\nassistant: hi, how can I help?", " Yes No yes no"] * 20

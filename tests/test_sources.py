@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from policyscan.engine.errors import InputError
-from policyscan.engine.sources import PartialFileError, ReadSpec, expand_inputs, read_chunks
+from policyscan.engine.inputs.sources import PartialFileError, ReadSpec, expand_inputs, read_chunks
 
 
 def render(value):

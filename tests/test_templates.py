@@ -8,10 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from policyscan.cli.main import cli
-from policyscan.engine.chat_template import TemplateChoiceError, choose_template, model_templates
-from policyscan.engine.policy import load_policy
-from policyscan.engine.prompts import TextEncoder
-from policyscan.engine.sinks import read_metadata
+from policyscan.engine.text.chat_template import TemplateChoiceError, choose_template, model_templates
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.text.prompts import TextEncoder
+from policyscan.engine.outputs.sinks import read_metadata
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]

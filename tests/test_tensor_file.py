@@ -1,4 +1,4 @@
-"""engine/tensor_file.py: an adapter's factors read without torch are bitwise safetensors' own tensors as float32,
+"""engine/policy/tensor_file.py: an adapter's factors read without torch are bitwise safetensors' own tensors as float32,
 in every float dtype PEFT may save, at odd shapes and offsets; a damaged file is refused with its name and why."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from cli_cases import SAMPLE
 from policyscan.engine.errors import PolicyError
-from policyscan.engine.policy import load_policy
-from policyscan.engine.tensor_file import _UNTRACKED, TensorFile
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.policy.tensor_file import _UNTRACKED, TensorFile
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 DEEP = b'{"t": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -140,7 +140,7 @@ def test_running_out_of_file_descriptors_says_which_limit(tmp_path):
     """Each mapping keeps a descriptor before Python 3.13: past the limit, the error names it, not errno 24."""
     for k in range(4):
         shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / f"p{k}")
-    code = ("import os, resource, sys\nfrom policyscan.engine.policy import load_policy\n"
+    code = ("import os, resource, sys\nfrom policyscan.engine.policy.bundle import load_policy\n"
             "paths = sys.argv[1:]\nload_policy(paths[0])  # every import done before the limit\n"
             "n = len(os.listdir('/proc/self/fd'))\nresource.setrlimit(resource.RLIMIT_NOFILE, (n + 2, n + 2))\n"
             "keep = [load_policy(p) for p in paths]\n")

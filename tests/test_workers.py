@@ -18,16 +18,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from policyscan.engine.errors import PolicyscanError
-from policyscan.engine.pipeline import OutputSpec, score_inputs
-from policyscan.engine.policy import load_policies
-from policyscan.engine.runner import Engine
+from policyscan.engine.run.pipeline import OutputSpec, score_inputs
+from policyscan.engine.policy.bundle import load_policies
+from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.sources import ReadSpec
-from policyscan.engine.sources import read_chunks
-from policyscan.engine.units import LineRange, RowSlice, plan_units, range_lines, unit_chunks
-from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
-from policyscan.engine.workers_proc import KILL_ENV
-from policyscan.engine.workers_run import score_inputs_workers
+from policyscan.engine.inputs.sources import ReadSpec
+from policyscan.engine.inputs.sources import read_chunks
+from policyscan.engine.inputs.units import LineRange, RowSlice, plan_units, range_lines, unit_chunks
+from policyscan.engine.parallel.workers import WorkerConfig, WorkerPool, parse_devices
+from policyscan.engine.parallel.workers_proc import KILL_ENV
+from policyscan.engine.parallel.workers_run import score_inputs_workers
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 SETTINGS = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)  # 1 thread: workers share 2 cores
@@ -127,7 +127,7 @@ def test_devices_are_all_a_count_or_indices():
 
 
 def test_the_fork_server_starts_early_only_for_runs_with_workers(monkeypatch):
-    from policyscan.engine import worker_start
+    from policyscan.engine.parallel import worker_start
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     will = worker_start.will_run_workers
@@ -238,13 +238,13 @@ def test_a_worker_that_reads_changed_policies_on_its_restart_is_given_up_and_the
 SCRIPT = """
 import signal, sys
 from pathlib import Path
-from policyscan.engine.pipeline import OutputSpec
-from policyscan.engine.policy import load_policies
+from policyscan.engine.run.pipeline import OutputSpec
+from policyscan.engine.policy.bundle import load_policies
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.sources import ReadSpec
+from policyscan.engine.inputs.sources import ReadSpec
 from policyscan.engine.errors import PolicyscanError
-from policyscan.engine.workers import WorkerConfig, WorkerPool, parse_devices
-from policyscan.engine.workers_run import score_inputs_workers
+from policyscan.engine.parallel.workers import WorkerConfig, WorkerPool, parse_devices
+from policyscan.engine.parallel.workers_run import score_inputs_workers
 
 
 def stop(signum, frame):

@@ -14,12 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 # the CLI finds its inputs through this module
-from policyscan.engine.discover import SUFFIXES, expand_inputs  # noqa: F401
+from policyscan.engine.inputs.discover import SUFFIXES, expand_inputs  # noqa: F401
 from policyscan.engine.errors import InputError
 from policyscan.engine.files import check_regular
-from policyscan.engine.jsonl import read_jsonl
+from policyscan.engine.inputs.jsonl import read_jsonl
 # public here: the readers' types
-from policyscan.engine.rows import Chunk, PartialFileError, ReadSpec, clip, conversation, pick_column  # noqa: F401
+from policyscan.engine.inputs.rows import Chunk, PartialFileError, ReadSpec, clip, conversation, pick_column  # noqa: F401
 
 Lost = tuple[int, str]  # rows of a row group that could not be read, and why
 
@@ -93,7 +93,7 @@ def _parquet(path: Path, spec: ReadSpec, render) -> Iterator[Chunk]:
             row += len(c)
             yield c
         if not isinstance(item, pa.RecordBatch):
-            c = _lost(path, row, *item, lay.file.schema_arrow, lay.id_column, spec.keep)
+            c = lost_rows(path, row, *item, lay.file.schema_arrow, lay.id_column, spec.keep)
             row += len(c)
             yield c
     if pending:
@@ -114,7 +114,7 @@ def _batches(path: Path, pf: pq.ParquetFile, wanted: list[str], size: int) -> It
                              f"({e}); the other row groups were read. Is the file damaged?")
 
 
-def _lost(path: Path, row: int, count: int, reason: str, schema: pa.Schema, id_col: str | None,
+def lost_rows(path: Path, row: int, count: int, reason: str, schema: pa.Schema, id_col: str | None,
           keep: tuple[str, ...]) -> Chunk:
     """Rows that could not be read, each one an error row (ids unknown: null)."""
     ids = pa.nulls(count, schema.field(id_col).type) if id_col else _row_names(path, row, count)

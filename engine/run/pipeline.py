@@ -18,12 +18,12 @@ import pyarrow as pa
 
 from policyscan.engine.files import changed_since_hashed, input_file_sha256
 from policyscan.engine.errors import InputError
-from policyscan.engine.sinks import (ErrorWriter, ScoreWriter, commit_together, meta_path, read_metadata,
+from policyscan.engine.outputs.sinks import (ErrorWriter, ScoreWriter, commit_together, meta_path, read_metadata,
                                      remove_leftovers)
-from policyscan.engine.sources import Chunk, PartialFileError, ReadSpec, read_chunks
+from policyscan.engine.inputs.sources import Chunk, PartialFileError, ReadSpec, read_chunks
 
 if TYPE_CHECKING:  # torch: the `score --ray` driver writes outputs without it
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.run.runner import Engine
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
     id_hashes: list[np.ndarray] = []
     t0 = time.perf_counter()
     try:
-        items = _prefetch(_encoded(engine, inputs, spec))
+        items = prefetch(_encoded(engine, inputs, spec))
         while True:
             t = time.perf_counter()
             item = next(items, None)
@@ -116,9 +116,9 @@ def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path,
             if item is None:
                 break
             if isinstance(item, FileFailure):
-                _file_failure(item, err, acc, out.strict)
+                file_failure(item, err, acc, out.strict)
                 continue
-            id_hashes.append(_hashes(_score_chunk(engine, *item, writer, err, acc, out.strict)))
+            id_hashes.append(hash_ids(score_chunk(engine, *item, writer, err, acc, out.strict)))
             if progress:
                 progress(len(item[0]), acc.prompt_tokens)
         acc.seconds = time.perf_counter() - t0
@@ -211,13 +211,13 @@ def _changed_while_read(path: Path, sha: str | None, err: ErrorWriter, acc: Acco
     file: the rows read from it are scored, but no hash names the bytes they came from."""
     if sha is None or (how := changed_since_hashed(path)) is None:
         return False
-    _file_failure(FileFailure(path, InputError(f"{path}: changed while it was read ({how}); the rows read were "
+    file_failure(FileFailure(path, InputError(f"{path}: changed while it was read ({how}); the rows read were "
                                                "scored, but its hash is of the file before: score it again when it "
                                                "is complete"), 0), err, acc, strict)
     return True
 
 
-def _file_failure(ff: FileFailure, err: ErrorWriter, acc: Accounting, strict: bool) -> None:
+def file_failure(ff: FileFailure, err: ErrorWriter, acc: Accounting, strict: bool) -> None:
     if strict:
         raise StrictStop(str(ff.error)) from ff.error
     acc.files_in_errors += 1
@@ -232,14 +232,14 @@ def _file_failure(ff: FileFailure, err: ErrorWriter, acc: Accounting, strict: bo
         err.add(str(ff.path), None, None, None, str(ff.error))
 
 
-def _score_chunk(engine: Engine, chunk: Chunk, convs: list[np.ndarray], writer: ScoreWriter, err: ErrorWriter,
+def score_chunk(engine: Engine, chunk: Chunk, convs: list[np.ndarray], writer: ScoreWriter, err: ErrorWriter,
                  acc: Accounting, strict: bool) -> pa.Array:
     """Score one chunk's valid rows and write them; returns the ids written."""
     ok = np.array([e is None for e in chunk.errors], dtype=bool)
     acc.rows_in += len(chunk)
     acc.clipped_conversations += chunk.clipped
     for i in np.flatnonzero(~ok):
-        _row_error(chunk, int(i), chunk.errors[i], err, strict)
+        row_error(chunk, int(i), chunk.errors[i], err, strict)
     acc.rows_in_errors += int((~ok).sum())
     f, tokens, truncated = engine.score_conversations(convs)
     t = time.perf_counter()
@@ -247,7 +247,7 @@ def _score_chunk(engine: Engine, chunk: Chunk, convs: list[np.ndarray], writer: 
     finite = np.isfinite(f).all(axis=1)
     for r in np.flatnonzero(~finite):  # never written as a number: NaN or Inf is no probability
         bad = ", ".join(f"{pol.name} {f[r, j]}" for j, pol in enumerate(engine.policies) if not np.isfinite(f[r, j]))
-        _row_error(chunk, int(idx[r]), f"f is not finite ({bad}): no probability can be given; the model's "
+        row_error(chunk, int(idx[r]), f"f is not finite ({bad}): no probability can be given; the model's "
                    "weights or activations overflow on this conversation", err, strict)
     acc.rows_in_errors += int((~finite).sum())
     idx, f = idx[finite], f[finite]
@@ -266,7 +266,7 @@ def _score_chunk(engine: Engine, chunk: Chunk, convs: list[np.ndarray], writer: 
     return ids
 
 
-def _row_error(chunk: Chunk, i: int, reason: str, err: ErrorWriter, strict: bool) -> None:
+def row_error(chunk: Chunk, i: int, reason: str, err: ErrorWriter, strict: bool) -> None:
     line = chunk.lines[i] if chunk.lines else None
     if strict:
         where = f"line {line}" if line else f"row {chunk.first_row + i}"
@@ -274,7 +274,7 @@ def _row_error(chunk: Chunk, i: int, reason: str, err: ErrorWriter, strict: bool
     err.add(chunk.path, chunk.first_row + i, line, chunk.ids[i].as_py(), reason)
 
 
-def _hashes(ids: pa.Array) -> np.ndarray:
+def hash_ids(ids: pa.Array) -> np.ndarray:
     """64 bits per id (its repr, so 1 and "1" differ): duplicates are counted in 8 bytes a row."""
     return np.fromiter((int.from_bytes(hashlib.blake2b(repr(v).encode("utf-8", "backslashreplace"),
                                                        digest_size=8).digest(), "little")
@@ -296,7 +296,7 @@ def _input_record(path: Path, sha: str | None, output: Path, changed: bool) -> d
             "sha256": sha, "changed_while_read": changed}
 
 
-def _prefetch(it: Iterator, depth: int = 2) -> Iterator:
+def prefetch(it: Iterator, depth: int = 2) -> Iterator:
     """Run a generator in a thread, `depth` items ahead: reading and tokenizing overlap the GPU."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()

@@ -1,8 +1,8 @@
-"""Compile Triton kernel variants in child processes, into Triton's disk cache (engine/compile_ahead.py).
+"""Compile Triton kernel variants in child processes, into Triton's disk cache (engine/warmup/compile_ahead.py).
 
-One plain subprocess (`python -m policyscan.engine.compile_procs`), not a multiprocessing pool: it never imports
+One plain subprocess (`python -m policyscan.engine.warmup.compile_procs`), not a multiprocessing pool: it never imports
 the caller's __main__ (a library user's unguarded script would run again), and a daemonic process (a scoring
-worker, engine/workers.py) may start it, where it may not start a pool. It imports the kernels' modules once and
+worker, engine/parallel/workers.py) may start it, where it may not start a pool. It imports the kernels' modules once and
 then forks the compiling workers, which share that import: 16 children each importing torch and Triton took
 9-14 s beside W1's model load on the H200 machine (bench/startup_phases.py), the fork a few milliseconds.
 Nothing in it touches CUDA before the fork (the kernels' modules do not at import), so each worker may. A worker
@@ -69,7 +69,7 @@ class Compilers:
             # its own process group: kill() ends the workers it forked with it, Ctrl-C in a terminal reaches
             # the caller only, which ends them
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "policyscan.engine.compile_procs", ",".join(map(str, theirs)), *modules],
+                [sys.executable, "-m", "policyscan.engine.warmup.compile_procs", ",".join(map(str, theirs)), *modules],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 pass_fds=theirs, start_new_session=True)
             self.workers = [Worker(w, r) for w, r in ends]

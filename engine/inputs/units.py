@@ -1,4 +1,4 @@
-"""Units of work for the worker processes (engine/workers.py) and the Ray pipeline (policyscan.ray): a slice of a
+"""Units of work for the worker processes (engine/parallel/workers.py) and the Ray pipeline (policyscan.ray): a slice of a
 Parquet row group, a range of whole lines of a JSONL file, or a whole file.
 
 A unit's rows come out as the single-process reader (sources.read_chunks) gives them: the same ids (file:row
@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from policyscan.engine.errors import InputError
-from policyscan.engine.jsonl import first_column, read_jsonl_range
-from policyscan.engine.pipeline import FileFailure, encoded_chunks
-from policyscan.engine.rows import Chunk, ReadSpec
-from policyscan.engine.sources import (Lost, ParquetLayout, _lost, layout_chunk, parquet_layout,
+from policyscan.engine.inputs.jsonl import first_column, read_jsonl_range
+from policyscan.engine.run.pipeline import FileFailure, encoded_chunks
+from policyscan.engine.inputs.rows import Chunk, ReadSpec
+from policyscan.engine.inputs.sources import (Lost, ParquetLayout, lost_rows, layout_chunk, parquet_layout,
                                       read_chunks)
 
 if TYPE_CHECKING:  # torch: the `score --ray` driver plans units without it
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.run.runner import Engine
 
 # A unit's rows at most: small enough that a large row group is shared out between devices and that its results
 # wait in the parent's reorder buffer in little memory, large enough that handing it out costs nothing beside it.
@@ -228,7 +228,7 @@ def _slice_chunks(path: Path, part: RowSlice, spec: ReadSpec, render: Callable[[
         if isinstance(item, pa.RecordBatch):
             yield layout_chunk(path, row, [item], lay, spec, render)
         else:
-            yield _lost(path, row, *item, lay.file.schema_arrow, lay.id_column, spec.keep)
+            yield lost_rows(path, row, *item, lay.file.schema_arrow, lay.id_column, spec.keep)
 
 
 def _slice_batches(path: Path, part: RowSlice, lay: ParquetLayout,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from policyscan.engine.policy import Policy
+from policyscan.engine.policy.bundle import Policy
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ small-batch variants again. Here a dry run of the decoder (the prefixes' prefill
 specialization class, each CUDA-graph bucket) launches nothing: every Triton launch runs as a warm-up, and
 Triton's jit_cache_hook records each variant this process has not loaded yet and skips its compile. A run not
 compiled before starts child processes first (start_compilers; on a fresh machine the command line started them,
-engine/compile_start.py), dry-runs a decoder of the model's shapes with its weights unread (loader.shaped_decoder:
+engine/warmup/compile_start.py), dry-runs a decoder of the model's shapes with its weights unread (loader.shaped_decoder:
 shapes, dtypes and strides decide the variants, values do not), handing each variant to the children as it meets
-it, and the children compile them into Triton's disk cache (engine/compile_procs.py) during the dry run and
+it, and the children compile them into Triton's disk cache (engine/warmup/compile_procs.py) during the dry run and
 while the weights load (CompileJob); the real batches then load the kernels from disk. Anything failing on the
 way (no child process, a read-only cache) only leaves those kernels to compile at launch. The dry run computes
 nothing that is kept, and a variant it missed compiles when first launched, as before: what a run computes does
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from policyscan.engine import compile_start
-from policyscan.engine.compile_procs import KERNEL_MODULES, MAX_WORKERS, Compilers, usable_cpus
+from policyscan.engine.warmup import compile_start
+from policyscan.engine.warmup.compile_procs import KERNEL_MODULES, MAX_WORKERS, Compilers, usable_cpus
 from policyscan.engine.files import in_background
-from policyscan.engine.graphs import GraphedForward, static_batch
-from policyscan.engine.model import Decoder
+from policyscan.engine.run.graphs import GraphedForward, static_batch
+from policyscan.engine.model.model import Decoder
 
 
 # Seconds from a variant's hand-out to its answer on the H200 machine, on average per kernel (bench/startup_phases.py,
@@ -98,7 +98,7 @@ def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
 
 def start_compilers(run_id: str) -> Compilers | None:
     """Before the model loads: None when the run's variants all compiled before (a warm machine), else the
-    compiling workers the command line started (engine/compile_start.py) or workers started now, so that their
+    compiling workers the command line started (engine/warmup/compile_start.py) or workers started now, so that their
     import of torch, Triton and the kernels runs beside the load."""
     early = compile_start.take()
     if _compiled_before(run_id):

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from policyscan.kernels.reference import FP8, FP8_MAX
-from policyscan.engine.checkpoint import Checkpoint, weight_name
-from policyscan.engine.config import PROJECTIONS
+from policyscan.engine.model.checkpoint import Checkpoint, weight_name
+from policyscan.engine.model.config import PROJECTIONS
 from policyscan.engine.errors import CheckpointError
 
 # What llm-compressor writes for its FP8_DYNAMIC scheme, so vLLM and others load our output too.

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from policyscan.engine.config import PROJECTIONS, ModelConfig, read_config
+from policyscan.engine.model.config import PROJECTIONS, ModelConfig, read_config
 from policyscan.engine.errors import CheckpointError
 from policyscan.engine.files import cached_sha256
 from policyscan.engine.json_schema import INDEX, load

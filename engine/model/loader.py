@@ -5,15 +5,15 @@ from types import ModuleType
 
 import torch
 
-from policyscan.engine.checkpoint import Checkpoint, weight_name
-from policyscan.engine.config import ModelConfig
+from policyscan.engine.model.checkpoint import Checkpoint, weight_name
+from policyscan.engine.model.config import ModelConfig
 from policyscan.engine.errors import PolicyError
-from policyscan.engine.layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
-from policyscan.engine.model import Decoder, DecoderLayer
-from policyscan.engine.policy import Policy, check_policy
-from policyscan.engine.precision import Precision
-from policyscan.engine.quant import dequantize_weight, quantize_weight
-from policyscan.engine.read_ahead import ReadAhead, checkpoint_spans
+from policyscan.engine.model.layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
+from policyscan.engine.model.model import Decoder, DecoderLayer
+from policyscan.engine.policy.bundle import Policy, check_policy
+from policyscan.engine.model.precision import Precision
+from policyscan.engine.model.quant import dequantize_weight, quantize_weight
+from policyscan.engine.model.read_ahead import ReadAhead, checkpoint_spans
 from policyscan.kernels.reference import interleave_halves
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -22,7 +22,7 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("
 
 def load_decoder(ckpt: Checkpoint, ops: ModuleType, precision: Precision,
                  device: torch.device | str = "cpu") -> Decoder:
-    """Read each tensor once, streamed to the device (engine/read_ahead.py) and turned into its final dtype there
+    """Read each tensor once, streamed to the device (engine/model/read_ahead.py) and turned into its final dtype there
     (no second full copy of the model).
 
     precision.fp8_weights: base weights go through e4m3 with per-channel scales (kept from an FP8 checkpoint, else

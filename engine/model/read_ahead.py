@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from policyscan.engine.checkpoint import Checkpoint
+from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.errors import CheckpointError
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,

@@ -1,4 +1,4 @@
-"""How worker processes start (engine/workers.py): forked from a fork server that imported the engine once.
+"""How worker processes start (engine/parallel/workers.py): forked from a fork server that imported the engine once.
 
 A spawned worker imports torch and the engine itself, after the parent has done the same: W1's one-GPU worker run
 took 1.67-1.70x the in-process wall time, most of it that second import (4 s on the H200 machine) and the model
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-PRELOAD = ["policyscan.engine.workers_proc", "policyscan.engine.runner"]
+PRELOAD = ["policyscan.engine.parallel.workers_proc", "policyscan.engine.run.runner"]
 
 
 def context():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from policyscan.engine.chat_template import ChatTemplate
+from policyscan.engine.text.chat_template import ChatTemplate
 from policyscan.engine.errors import InputError
 
 ESC = "\ufdd0"  # before a special-token string of content: it is text

@@ -1,6 +1,6 @@
 """Worker processes: one per device of this host, each loading its own Engine once and scoring the units
-(engine/units.py) the parent hands it. Workers never write a file: they send what the single-process pipeline
-would write, and the parent writes it in input order (engine/workers_run.py).
+(engine/inputs/units.py) the parent hands it. Workers never write a file: they send what the single-process pipeline
+would write, and the parent writes it in input order (engine/parallel/workers_run.py).
 
 Triton's compile cache is on disk (~/.triton/cache, or $TRITON_CACHE_DIR) and filled by atomic renames, so the
 workers share it with no help: a kernel compiled once is loaded from disk by every later process (workers
@@ -16,11 +16,11 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from policyscan.engine.errors import PolicyError, PolicyscanError
-from policyscan.engine.policy import Policy, fingerprint
+from policyscan.engine.policy.bundle import Policy, fingerprint
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.units import Unit
-from policyscan.engine.worker_start import context
-from policyscan.engine.workers_proc import worker_main
+from policyscan.engine.inputs.units import Unit
+from policyscan.engine.parallel.worker_start import context
+from policyscan.engine.parallel.workers_proc import worker_main
 
 DEPTH = 2     # units a worker holds: the one it scores and the next, which its reader thread reads meanwhile
 RESTARTS = 2  # times a device's worker is started again after it died (an OOM is often a one-off)

@@ -7,7 +7,7 @@ follow other text (`TextEncoder.after`), the suffix as it follows a special toke
 gigatoken is the fast path (about 70x faster than `tokenizers` on 2 cores, measured on byte-level BPE); it is used
 only after it agreed with `tokenizers` on probe texts, and any tokenizer it refuses falls back to `tokenizers`.
 
-Conversation texts arrive marked (engine/content.py): a text without marks is encoded as tokenizers reads it, its
+Conversation texts arrive marked (engine/text/content.py): a text without marks is encoded as tokenizers reads it, its
 special-token strings control tokens (the template's markup, a policy's prefix and suffix); a marked text is read
 into text runs and markup tokens, and its runs are encoded with special-token strings as plain text.
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from policyscan.engine.chat_template import (ChatTemplate, choose_template, config_templates, read_tokenizer_config,
+from policyscan.engine.text.chat_template import (ChatTemplate, choose_template, config_templates, read_tokenizer_config,
                                              token_str)
-from policyscan.engine.content import ContentGuard, Conversations
+from policyscan.engine.text.content import ContentGuard, Conversations
 from policyscan.engine.errors import CheckpointError, PolicyError
-from policyscan.engine.policy import Policy
+from policyscan.engine.policy.bundle import Policy
 
 # What a piece after the prefix is encoded behind: text no vocabulary holds (a private-use character, which
 # falls back to bytes or <unk>), so nothing merges across it; a newline did merge with a suffix's leading "\n".

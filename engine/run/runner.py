@@ -8,20 +8,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from policyscan.engine.batch import pack, plan_batches
-from policyscan.engine.checkpoint import Checkpoint
-from policyscan.engine import compile_start
-from policyscan.engine.compile_ahead import CompileJob, CompileReport, compile_ahead, start_compilers, variants_id
-from policyscan.engine.compile_procs import Compilers, usable_cpus
+from policyscan.engine.run.batch import pack, plan_batches
+from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.warmup import compile_start
+from policyscan.engine.warmup.compile_ahead import CompileJob, CompileReport, compile_ahead, start_compilers, variants_id
+from policyscan.engine.warmup.compile_procs import Compilers, usable_cpus
 from policyscan.engine.files import in_background
-from policyscan.engine.config import ModelConfig
+from policyscan.engine.model.config import ModelConfig
 from policyscan.engine.errors import CheckpointError, PolicyscanError
-from policyscan.engine.graphs import GraphedForward
-from policyscan.engine.loader import attach_policies, factors_on, load_decoder, shaped_decoder
-from policyscan.engine.model import Decoder
-from policyscan.engine.policy import Policy
-from policyscan.engine.precision import Precision, decide_precision
-from policyscan.engine.prompts import PromptBuilder, TextEncoder
+from policyscan.engine.run.graphs import GraphedForward
+from policyscan.engine.model.loader import attach_policies, factors_on, load_decoder, shaped_decoder
+from policyscan.engine.model.model import Decoder
+from policyscan.engine.policy.bundle import Policy
+from policyscan.engine.model.precision import Precision, decide_precision
+from policyscan.engine.text.prompts import PromptBuilder, TextEncoder
 from policyscan.engine.settings import EngineSettings, version
 
 

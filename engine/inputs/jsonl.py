@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.files import open_regular
-from policyscan.engine.rows import (Chunk, PartialFileError, ReadSpec, as_str, clip, conversation, pick_column,
+from policyscan.engine.inputs.rows import (Chunk, PartialFileError, ReadSpec, as_str, clip, conversation, pick_column,
                                     printable, surrogate)
 
 _BAD_BYTE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a byte that is not UTF-8

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from policyscan.engine.errors import InputError, PolicyscanError
-from policyscan.engine.pipeline import Accounting, FileFailure, StrictStop, _hashes, _prefetch, _score_chunk
-from policyscan.engine.rows import PartialFileError
-from policyscan.engine.policy import fingerprint, load_policies
-from policyscan.engine.units import unit_items
-from policyscan.engine.worker_start import apply_env
+from policyscan.engine.run.pipeline import Accounting, FileFailure, StrictStop, hash_ids, prefetch, score_chunk
+from policyscan.engine.inputs.rows import PartialFileError
+from policyscan.engine.policy.bundle import fingerprint, load_policies
+from policyscan.engine.inputs.units import unit_items
+from policyscan.engine.parallel.worker_start import apply_env
 
 if TYPE_CHECKING:  # torch: imported where the worker starts, so that the Ray driver can take Failed without it
-    from policyscan.engine.runner import Engine
+    from policyscan.engine.run.runner import Engine
 
 KILL_ENV = "POLICYSCAN_TEST_KILL"  # tests only: "2,5*" SIGKILLs the worker starting unit 2 on its first try, 5 on any
 _END = object()  # a unit's last item
@@ -68,7 +68,7 @@ class Stopped:
     message: str
 
 
-class _Recorder:
+class Recorder:
     """Stands in for ScoreWriter and ErrorWriter: what the pipeline writes, kept for the parent to write."""
 
     def __init__(self) -> None:
@@ -94,7 +94,7 @@ def worker_main(conn: Connection, config, slot: int, env: dict[str, str]) -> Non
             conn.send(msg)
 
     try:
-        from policyscan.engine.runner import Engine  # the fork server imported it already (worker_start.PRELOAD)
+        from policyscan.engine.run.runner import Engine  # the fork server imported it already (worker_start.PRELOAD)
 
         policies = load_policies(list(config.policies))
         engine = Engine(config.model_dir, policies, config.settings)
@@ -124,7 +124,7 @@ def _describe(engine: Engine, send) -> None:
 
 def _serve(engine: Engine, conn: Connection, send) -> None:
     names = [p.name for p in engine.policies]
-    items = _prefetch(_read_units(engine, conn))  # the next chunk, and the next unit, read while one is scored
+    items = prefetch(_read_units(engine, conn))  # the next chunk, and the next unit, read while one is scored
     stopped: int | None = None
     while True:
         t = time.perf_counter()
@@ -161,13 +161,13 @@ def _part(engine: Engine, names: list[str], it, strict: bool, waited: float) -> 
     if isinstance(it, FileFailure):
         total = it.error.total if isinstance(it.error, PartialFileError) else None
         return Failed(str(it.path), str(it.error), it.done, total)
-    rec = _Recorder()
+    rec = Recorder()
     acc = Accounting(above_threshold={n: 0 for n in names}, input_wait_seconds=waited)
     try:
-        ids = _score_chunk(engine, *it, rec, rec, acc, strict)
+        ids = score_chunk(engine, *it, rec, rec, acc, strict)
     except StrictStop as e:
         return Stopped(str(e))
-    return Scored(rec.errors, rec.writes, acc, _hashes(ids))
+    return Scored(rec.errors, rec.writes, acc, hash_ids(ids))
 
 
 def _test_kill(index: int, attempt: int) -> None:

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from policyscan.engine.errors import InputError
-from policyscan.engine.pipeline import (Accounting, FileFailure, OutputSpec, StrictStop, _file_failure,
+from policyscan.engine.run.pipeline import (Accounting, FileFailure, OutputSpec, StrictStop, file_failure,
                                         commit_outputs, open_outputs)
-from policyscan.engine.rows import ReadSpec
-from policyscan.engine.sinks import ErrorWriter, ScoreWriter
-from policyscan.engine.units import UNIT_BYTES, UNIT_ROWS, LineRange, Unit, plan_units, range_lines
-from policyscan.engine.workers import DEPTH, Event, Worker, WorkerPool
-from policyscan.engine.workers_proc import Failed, Scored, Stopped
+from policyscan.engine.inputs.rows import ReadSpec
+from policyscan.engine.outputs.sinks import ErrorWriter, ScoreWriter
+from policyscan.engine.inputs.units import UNIT_BYTES, UNIT_ROWS, LineRange, Unit, plan_units, range_lines
+from policyscan.engine.parallel.workers import DEPTH, Event, Worker, WorkerPool
+from policyscan.engine.parallel.workers_proc import Failed, Scored, Stopped
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class _Sink:
             if isinstance(part, Scored):
                 self._scored(part)
             elif isinstance(part, Failed):
-                _file_failure(part.failure(), self.err, self.acc, self.strict)
+                file_failure(part.failure(), self.err, self.acc, self.strict)
             elif isinstance(part, Stopped):
                 raise StrictStop(part.message)
             else:
@@ -79,7 +79,7 @@ class _Sink:
     def _poisoned(self, unit: Unit, why: str) -> None:
         reason = f"a worker process died on these rows twice ({why}); they were not scored"
         if unit.part is None:  # a whole file: its rows are not known, the file is listed as unreadable files are
-            _file_failure(FileFailure(unit.path, InputError(f"{unit.path}: {reason}"), 0), self.err, self.acc,
+            file_failure(FileFailure(unit.path, InputError(f"{unit.path}: {reason}"), 0), self.err, self.acc,
                           self.strict)
             return
         rows = unit.part.file_rows

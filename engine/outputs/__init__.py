@@ -1,0 +1,1 @@
+"""Outputs: scores and errors written in input order, atomically, with their metadata."""

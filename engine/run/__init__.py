@@ -1,0 +1,1 @@
+"""A run: prompts packed into batches, the Engine that scores them, and the pipeline from inputs to outputs."""
