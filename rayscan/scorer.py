@@ -9,8 +9,6 @@ device. Every input row comes out, in input order: scored, or with `error` sayin
 from __future__ import annotations
 
 import json
-import os
-import signal
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +23,6 @@ from policyscan.engine.inputs.rows import Chunk, ReadSpec, clip, conversation, p
 from policyscan.engine.settings import EngineSettings
 from policyscan.engine.parallel.workers_proc import Recorder
 
-KILL_ENV = "POLICYSCAN_TEST_RAY_KILL"  # tests only: a file; an actor at its second batch while it exists is killed
 _WHERE = Path("a Ray batch")  # what the column errors name in place of a file
 
 
@@ -69,11 +66,8 @@ class PolicyScorer:
         self.engine = Engine(Path(model), pols, settings)
         self.names = [p.name for p in self.engine.policies]
         self.budgets = np.array([b.budget for b in self.engine.builders], dtype=np.int64)
-        self.calls = 0
 
     def __call__(self, batch: pa.Table | pa.RecordBatch) -> pa.Table:
-        self.calls += 1
-        _test_kill(self.calls)
         batch = pa.table(batch) if isinstance(batch, pa.RecordBatch) else batch
         chunk, clipped = self._chunk(batch)
         chunk, convs = encode_chunk(self.engine, chunk)
@@ -154,13 +148,3 @@ def _spread(values: np.ndarray, scored: np.ndarray) -> pa.Array:
     full = np.zeros(len(scored), dtype=values.dtype)
     full[scored] = values
     return pa.array(full, mask=~scored)
-
-
-def _test_kill(calls: int) -> None:
-    arm = os.environ.get(KILL_ENV)
-    if arm and calls >= 2:  # after a batch, so that the kill lands mid-run
-        try:
-            os.unlink(arm)
-        except FileNotFoundError:
-            return
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -17,11 +17,11 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from cli_cases import SAMPLE, run  # noqa: E402
+from faults import actor_killer  # noqa: E402
 from policyscan.cli.main import cli  # noqa: E402
 from policyscan.ray import run as run_mod  # noqa: E402
 from policyscan.engine.settings import EngineSettings  # noqa: E402
 from policyscan.ray import PolicyScorer  # noqa: E402
-from policyscan.ray.scorer import KILL_ENV  # noqa: E402
 
 SETTINGS = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)
 CPU = ["--device", "cpu", "--batch-tokens", "4096", "--max-length", "256", "--threads", "1", "--raw", "--no-progress"]
@@ -29,10 +29,12 @@ CPU = ["--device", "cpu", "--batch-tokens", "4096", "--max-length", "256", "--th
 
 @pytest.fixture(scope="module")
 def arm(tmp_path_factory):
-    """A local Ray cluster for the module; the file whose presence makes an actor kill itself (KILL_ENV)."""
+    """A local Ray cluster for the module, whose worker processes kill an actor at its second batch while the file
+    this yields exists (faults.actor_killer)."""
     path = tmp_path_factory.mktemp("kill") / "arm"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {KILL_ENV: str(path), "TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"},
+                          "worker_process_setup_hook": actor_killer(path)})
     yield path
     ray.shutdown()
 

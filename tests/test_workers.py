@@ -1,4 +1,4 @@
-"""Worker processes (engine/workers*.py) on the CPU: two workers write bitwise what one worker and the
+"""Worker processes (engine/parallel/workers*.py) on the CPU: two workers write bitwise what one worker and the
 single-process path write, Parquet slices and JSONL line ranges alike; a killed worker loses no row; SIGTERM stops
 every worker and leaves nothing."""
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from faults import kill_workers_taking
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.run.pipeline import OutputSpec, score_inputs
 from policyscan.engine.policy.bundle import load_policies
@@ -26,7 +27,6 @@ from policyscan.engine.inputs.sources import ReadSpec
 from policyscan.engine.inputs.sources import read_chunks
 from policyscan.engine.inputs.units import LineRange, RowSlice, plan_units, range_lines, unit_chunks
 from policyscan.engine.parallel.workers import WorkerConfig, WorkerPool, parse_devices
-from policyscan.engine.parallel.workers_proc import KILL_ENV
 from policyscan.engine.parallel.workers_run import score_inputs_workers
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
@@ -199,8 +199,8 @@ def test_a_killed_worker_loses_no_row_and_a_unit_that_kills_twice_is_listed(inpu
     units = plan_units(inputs, ReadSpec(), UNIT_ROWS, UNIT_BYTES)
     poison = next(u for u in units if u.path == inputs[2] and u.part.group == 0 and u.part.first > 0)
     once = next(u for u in units if u.path == inputs[1] and u.part.first_row > 0)
-    # SIGKILL (an OOM kill) of the worker starting a JSONL range, once; of every worker starting `poison`
-    monkeypatch.setenv(KILL_ENV, f"{once.index},{poison.index}*")
+    # SIGKILL (an OOM kill) of the worker taking a JSONL range, once; of every worker taking `poison`
+    kill_workers_taking(monkeypatch, lambda i, attempt: i == poison.index or (i, attempt) == (once.index, 0))
     with _pool(policies, ("cpu", "cpu")) as pool:
         table, errors, acc = _run(pool, inputs, tmp_path)
         assert len(pool.deaths) == 3, pool.deaths
@@ -221,7 +221,8 @@ def test_a_worker_that_reads_changed_policies_on_its_restart_is_given_up_and_the
     shutil.copytree(SAMPLE / "policies", tmp_path / "policies")
     mine = load_policies([tmp_path / "policies"])
     units = plan_units(inputs, ReadSpec(), UNIT_ROWS, UNIT_BYTES)
-    monkeypatch.setenv(KILL_ENV, str(units[2].index))  # SIGKILL of the worker starting unit 2, on its first try
+    # SIGKILL of the worker taking unit 2, on its first try
+    kill_workers_taking(monkeypatch, lambda i, attempt: (i, attempt) == (units[2].index, 0))
     with WorkerPool(WorkerConfig(SAMPLE / "model", (tmp_path / "policies",), SETTINGS, ("cpu", "cpu"))) as pool:
         pool.expect(mine)
         while len(pool.ready_workers()) < 2:

@@ -24,7 +24,6 @@ from policyscan.engine.parallel.worker_start import apply_env
 if TYPE_CHECKING:  # torch: imported where the worker starts, so that the Ray driver can take Failed without it
     from policyscan.engine.run.runner import Engine
 
-KILL_ENV = "POLICYSCAN_TEST_KILL"  # tests only: "2,5*" SIGKILLs the worker starting unit 2 on its first try, 5 on any
 _END = object()  # a unit's last item
 
 
@@ -150,8 +149,7 @@ def _read_units(engine: Engine, conn: Connection):
             return
         if msg is None:
             return
-        unit, attempt, spec, strict = msg
-        _test_kill(unit.index, attempt)
+        unit, _, spec, strict = msg  # (unit, attempt, spec, strict): the attempts are the parent's to count
         for it in unit_items(engine, unit, spec):
             yield unit.index, strict, it
         yield unit.index, strict, _END
@@ -168,9 +166,3 @@ def _part(engine: Engine, names: list[str], it, strict: bool, waited: float) -> 
     except StrictStop as e:
         return Stopped(str(e))
     return Scored(rec.errors, rec.writes, acc, hash_ids(ids))
-
-
-def _test_kill(index: int, attempt: int) -> None:
-    for want in filter(None, os.environ.get(KILL_ENV, "").split(",")):
-        if int(want.rstrip("*")) == index and (attempt == 0 or want.endswith("*")):
-            os.kill(os.getpid(), signal.SIGKILL)
