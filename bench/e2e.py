@@ -29,8 +29,8 @@ sys.path.insert(0, str(SAMPLE))
 from synth import conversations  # noqa: E402
 from workloads import WORKLOADS, hf_peft_model, lengths, shape  # noqa: E402
 
-from policyscan.cli.common import clip_chars  # noqa: E402
-from policyscan.engine.run.pipeline import _encoded  # noqa: E402
+from policyscan.engine.inputs.rows import clip_chars  # noqa: E402
+from policyscan.engine.run.pipeline import encoded_inputs  # noqa: E402
 from policyscan.engine.policy.bundle import load_policies  # noqa: E402
 from policyscan.engine.run.runner import Engine  # noqa: E402
 from policyscan.engine.settings import EngineSettings  # noqa: E402
@@ -82,7 +82,7 @@ def engine_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
     wait for it), then the conversations scored twice (warm-up, then timed)."""
     engine = Engine(root / "model", load_policies([root / "bundles"]), EngineSettings(device=device))
     t0 = time.perf_counter()
-    chunks = list(_encoded(engine, [src], ReadSpec(max_chars=clip_chars(engine.settings.max_length))))
+    chunks = list(encoded_inputs(engine, [src], ReadSpec(max_chars=clip_chars(engine.settings.max_length))))
     print(f"reading and tokenizing {src.name} alone ({len(chunks)} chunk(s)): {time.perf_counter() - t0:.3f} s",
           flush=True)
     convs = [c for _, chunk_convs in chunks for c in chunk_convs]

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 import triton
 
-from policyscan.cli.common import clip_chars
-from policyscan.engine.run.pipeline import OutputSpec, _encoded, score_inputs
+from policyscan.engine.inputs.rows import clip_chars
+from policyscan.engine.outputs.accounting import OutputSpec
+from policyscan.engine.run.pipeline import encoded_inputs
+from policyscan.engine.run.pipeline import score_inputs
 from policyscan.engine.policy.bundle import load_policies
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
@@ -41,7 +43,7 @@ def main() -> None:
                     EngineSettings(device="cuda"))
     rows = [("load", time.perf_counter() - t0, len(MISSES), "")]
     src = args.dir / f"{args.dir.name}.parquet"
-    convs = [c for _, cc in _encoded(engine, [src], ReadSpec(max_chars=clip_chars(engine.settings.max_length)))
+    convs = [c for _, cc in encoded_inputs(engine, [src], ReadSpec(max_chars=clip_chars(engine.settings.max_length)))
              for c in cc]
     for i in range(3):
         before = len(MISSES)

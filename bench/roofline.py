@@ -1,4 +1,4 @@
-"""Where a workload's time goes, kernel by kernel, against the roofline (issue 4's closing-note table).
+"""Where a workload's time goes, kernel by kernel, against the roofline (docs/performance.md, Ceilings).
 
     python bench/roofline.py --workloads W1,W4
 
@@ -6,7 +6,8 @@ One eager pass (CUDA events around every kernel call; W1's and W4's batches are 
 limit but the last) after a warm one; per kind of call: GPU time, the work counted from the shapes (FLOPs of
 the products, the fewest bytes the call must move), the rate reached, and the time at the roofline: FLOPs at
 the dense tensor rate *at the SM clock the pass ran at* (the H200 holds its 700 W cap through a pass),
-or bytes at the 4.3 TB/s a device copy reaches (KINDS.md), whichever is longer.
+or bytes at the rate a device-to-device copy reaches on this device (measured first, copy_rate), whichever is
+longer.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from policyscan.kernels import triton_ops  # noqa: E402
 from policyscan.kernels.launch import sm_count  # noqa: E402
 
 FLOP_PER_CLK_SM = {1: 8192, 2: 4096}  # dense tensor-core FLOP per clock per SM: FP8, bf16 (H100/H200 SM)
-COPY_BPS = 4.3e12                     # device-to-device copy, bytes read + written (KINDS.md)
+COPY_BYTES = 1 << 30                  # a copy this large measures the memory roof (1 << 24 on a CPU dry run)
 
 
 class HostEvent:
@@ -98,7 +99,23 @@ def work(kind: str, args: tuple, kw: dict, cfg):
     return 0.0, 2 * x.numel() * x.element_size(), 2
 
 
-def profile(name: str, budget: int, sampler: PowerSampler | None) -> None:
+def copy_rate() -> float:
+    """Bytes read and written a second by a device-to-device copy here, the best of 5: the memory roof that the
+    calls' byte counts are held against."""
+    n = COPY_BYTES if DEVICE == "cuda" else 1 << 24
+    src = torch.ones(n, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n / best
+
+
+def profile(name: str, budget: int, sampler: PowerSampler | None, copy_bps: float) -> None:
     w = WORKLOADS[name]
     cfg = shape(w.model)
     dec = random_decoder(cfg, w.adapters, 16, triton_ops, device=DEVICE)
@@ -127,13 +144,13 @@ def profile(name: str, budget: int, sampler: PowerSampler | None) -> None:
         sec = e0.elapsed_time(e1) / 1e3
         flops, moved, operand = info() if callable(info) else info
         peak = FLOP_PER_CLK_SM[operand] * sms * mhz * 1e6
-        agg[kind] += (sec, flops, moved, max(flops / peak, moved / COPY_BPS))
+        agg[kind] += (sec, flops, moved, max(flops / peak, moved / copy_bps))
     tokens = sum(map(len, seqs)) + sum(len(prefixes[a]) for a in ads)
     total = sum(v[0] for v in agg.values())
     print(f"\n{name}: {tokens:,} tokens; pass {plain:.3f} s untimed ({tokens / plain:,.0f} tok/s), {timed:.3f} s with "
           f"events; kernels {total:.3f} s; {describe(power)}; roofline at {mhz:.0f} MHz: FP8 "
           f"{FLOP_PER_CLK_SM[1] * sms * mhz / 1e6:.0f} TF/s, bf16 {FLOP_PER_CLK_SM[2] * sms * mhz / 1e6:.0f}, "
-          f"copy {COPY_BPS / 1e12:.1f} TB/s")
+          f"copy {copy_bps / 1e12:.2f} TB/s (measured)")
     print(f"{'kernel':<22}{'calls':>6}{'seconds':>9}{'share':>7}{'TF/s':>7}{'TB/s':>6}{'roofline s':>11}{'of roof':>8}")
     calls = defaultdict(int)
     for kind, *_ in log:
@@ -155,8 +172,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=EngineSettings.batch_tokens)
     args = ap.parse_args()
     sampler = PowerSampler() if DEVICE == "cuda" else None
+    copy_bps = copy_rate()
     for name in args.workloads.split(","):
-        profile(name, args.budget, sampler)
+        profile(name, args.budget, sampler, copy_bps)
     if sampler:
         sampler.close()
 

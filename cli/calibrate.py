@@ -19,8 +19,8 @@ from policyscan.engine.errors import InputError
 from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.inputs.sources import ReadSpec
-from policyscan.cli.common import (Share, conversation_options, check_lengths, clip_chars, default_model,
+from policyscan.engine.inputs.rows import ReadSpec, clip_chars
+from policyscan.cli.common import (Share, conversation_options, check_lengths, default_model,
                                    engine_options, friendly_errors, input_files, model_option, resolve_chat_template)
 
 MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not written without --force

@@ -35,13 +35,6 @@ def default_policies() -> tuple[str, ...]:
     return tuple(env.split(os.pathsep)) if env else (str(SAMPLE / "policies"),)
 
 
-def clip_chars(max_length: int) -> int:
-    """Conversations longer than this many characters keep only their tail before tokenizing: 64 characters
-    a token is far more than byte-level BPE ever averages, so the tokens kept after left truncation are the
-    same, and a 1 GB row costs no more than a long one."""
-    return max(64 * max_length, 65536)
-
-
 def preload_arrow() -> None:
     """Start pyarrow's one-time setup in a thread while the policies load: pyarrow imports pandas (when it is
     installed) on the first array it builds from Python or numpy objects, which was the first chunk's write,

@@ -7,13 +7,13 @@ regular file (is it policyscan's?) reads a Parquet footer, or lines of at most s
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from policyscan.engine.errors import InputError, PolicyscanError
+from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import MISSING, not_regular
+from policyscan.engine.outputs.run_output import Job
 from policyscan.engine.outputs.sinks import is_errors_file, meta_path, read_metadata
 from policyscan.cli.common import check_writable_dir, refuse_overwrites
 
@@ -21,19 +21,6 @@ SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "j
 # The longest line an errors file policyscan wrote is taken to have: its reasons name keys and values of a row,
 # never a whole row; a longer line is not read further (a file of one endless line is no errors file).
 OPTIONS = {"output": "-o", "errors file": "--errors", "metadata file": "-o"}  # the option a path comes from
-
-
-@dataclass(frozen=True)
-class Job:
-    """Inputs scored into one output and its errors file."""
-
-    files: list[Path]
-    target: Path
-    errors: Path
-
-    def __post_init__(self) -> None:
-        if not self.files:
-            raise ValueError("a job needs at least one input")
 
 
 def output_format(output: str | None, fmt: str | None, per_input: bool) -> str:

@@ -22,13 +22,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
-from policyscan.cli.targets import Job
 from policyscan.engine.text.chat_template import choose_template, read_tokenizer_config
 from policyscan.engine.text.content import ContentGuard, Conversations
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import input_file_sha256
-from policyscan.engine.run.pipeline import (Accounting, OutputSpec, file_failure, hash_ids, row_error, commit_outputs,
-                                        open_outputs, run_key, up_to_date)
+from policyscan.engine.outputs.accounting import Accounting, OutputSpec, file_failure, row_error
+from policyscan.engine.outputs.run_output import Job, RunOutput, run_key, up_to_date
 from policyscan.engine.policy.bundle import Policy
 from policyscan.engine.inputs.rows import Chunk, ReadSpec
 from policyscan.engine.settings import EngineSettings
@@ -70,8 +69,7 @@ class RayRun:
             self._seen = self._probe()
         return self._seen[0]
 
-    @property
-    def model_files(self) -> dict:
+    def file_hashes(self) -> dict:
         self.describe()
         return self._seen[1]
 
@@ -164,7 +162,7 @@ def _write(ray, batches, todo: list[tuple[Job, list[str] | None]], job_of: list[
                 pending = current.take(pending, job_of, j)
                 if pending is not None:  # the rest is a later job's: this one is complete
                     break
-            total.add(current.commit(run, spec, out, keyed))
+            total.add(current.commit(run))
             current = None
     except BaseException:
         if current is not None:
@@ -179,10 +177,8 @@ class _Output:
     def __init__(self, job: Job, shas: list[str] | None, policies: list[Policy], spec: ReadSpec, out: OutputSpec,
                  keyed: bool):
         self.job, self.policies, self.keep, self.strict = job, policies, spec.keep, out.strict
-        self.shas, self.writer, self.err, self.acc = open_outputs(policies, job.files, job.target, job.errors, out,
-                                                                  keyed, shas)
-        self.hashes: list[np.ndarray] = []
-        self.started = time.perf_counter()
+        self.run = RunOutput(policies, job, spec, out, keyed, shas)
+        self.writer, self.err, self.acc = self.run.writer, self.run.err, self.run.acc
 
     def take(self, batch: pa.Table, job_of: list[int], j: int) -> pa.Table | None:
         """Write the batch's leading rows of job `j`; the rest (a later job's), or None."""
@@ -222,7 +218,7 @@ class _Output:
                                for n in names], axis=1) for c in ("p", "f", "truncated"))
         kept = ids.take(idx)
         self.writer.write(kept, {k: t.column(k).combine_chunks().take(idx) for k in self.keep}, p, f, cut)
-        self.hashes.append(hash_ids(kept))
+        self.run.wrote(kept)
         self.acc.rows_scored += len(idx)
         self.acc.prompt_tokens += _sum(t.column("prompt_tokens"))
         self.acc.truncated_prompts += sum(_sum(t.column(f"truncated_{n}")) for n in names)
@@ -230,18 +226,15 @@ class _Output:
         for j, pol in enumerate(self.policies):
             self.acc.above_threshold[pol.name] += int((p[:, j] >= pol.threshold).sum())
 
-    def commit(self, run: RayRun, spec: ReadSpec, out: OutputSpec, keyed: bool) -> Accounting:
-        self.acc.seconds = time.perf_counter() - self.started
-        commit_outputs(run, run.model_files, self.hashes, self.job.files, self.shas, self.job.target, self.job.errors,
-                       spec, out, keyed, self.writer, self.err, self.acc, ray=run.extra)
+    def commit(self, run: RayRun) -> Accounting:
+        self.run.commit(run, ray=run.extra)
         err = f", {self.acc.rows_in_errors} rows in {self.job.errors}" \
             if self.acc.rows_in_errors or self.acc.files_in_errors else ""
         click.echo(f"wrote {self.job.target}: {self.acc.rows_scored} rows{err}", err=True)
         return self.acc
 
     def abort(self) -> None:
-        self.writer.abort()
-        self.err.abort()
+        self.run.abort()
 
 
 def _sum(column: pa.ChunkedArray) -> int:

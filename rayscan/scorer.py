@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from policyscan.cli.common import clip_chars
+from policyscan.engine.inputs.rows import clip_chars
 from policyscan.engine.errors import InputError
-from policyscan.engine.run.pipeline import Accounting, score_chunk, encode_chunk
+from policyscan.engine.outputs.accounting import Accounting
+from policyscan.engine.run.pipeline import score_chunk, encode_chunk
 from policyscan.engine.policy.bundle import Policy, load_policies
 from policyscan.engine.inputs.rows import Chunk, ReadSpec, clip, conversation, pick_column
 from policyscan.engine.settings import EngineSettings

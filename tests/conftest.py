@@ -14,10 +14,10 @@ os.environ.setdefault("POLICYSCAN_CACHE_DIR", tempfile.mkdtemp(prefix="policysca
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """The whole CPU suite (`python -m pytest -q tests`) on two processes when pytest-xdist is installed (the test
-    extra): on 2 cores beside a 2-thread job it took 329 s in one process; its tests spend most of their time in
-    single-threaded Python and in child processes. A file's tests stay on one process (their module fixtures:
-    the Ray cluster, the sample's CLI runs). Not for chosen tests, -n, --dist, --pdb or --trace given, on a GPU
-    machine (its tests would share the GPU), or with one CPU."""
+    extra): its tests spend most of their time in single-threaded Python and in child processes, so two processes
+    on 2 cores take much less time than one (docs/performance.md). A file's tests stay on one process (their
+    module fixtures: the Ray cluster, the sample's CLI runs). Not for chosen tests, -n, --dist, --pdb or --trace
+    given, on a GPU machine (its tests would share the GPU), or with one CPU."""
     opt = config.option
     if (not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER")
             or getattr(opt, "numprocesses", None) is not None or getattr(opt, "dist", "no") != "no"
@@ -60,10 +60,9 @@ def sample_slice(tmp_path_factory) -> dict[str, Path]:
     return {"parquet": parquet, "jsonl": jsonl, "labeled": labeled, "rows": SLICE_ROWS}
 
 
-# The files whose tests take longest on 2 cores, longest first (seconds summed idle, `--durations=0`, session 35):
+# The files whose tests take longest on 2 cores, longest first (seconds summed idle, from `--durations=0`):
 # xdist hands a process the next file when its queue runs low, so the two end together. xdist's own order (most
-# tests first, skipped GPU tests counted) handed out the Ray tests last, which then ran alone: 315 s beside a
-# 2-thread job.
+# tests first, skipped GPU tests counted) handed out the Ray tests last, which then ran alone (docs/performance.md).
 LONGEST_FIRST = ("test_kernels.py",  # 36
                  "test_engine_vs_hf.py",  # 32
                  "test_ray.py",  # 30

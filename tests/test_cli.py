@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from cli_cases import MSG, SAMPLE, run
 from policyscan.cli.main import cli
+from policyscan.engine.outputs import run_output
 from policyscan.engine.run import pipeline
 from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.outputs.sinks import read_metadata
@@ -90,7 +91,7 @@ def test_output_dir_skips_up_to_date_inputs(tmp_path):
     res = run("score", arch, "-o", outdir, "--no-progress", "--raw")  # other settings: everything again
     assert "up to date" not in res.output
     with pytest.MonkeyPatch.context() as m:  # a policyscan whose scores can differ: everything again
-        m.setattr(pipeline, "SCORING_REVISION", pipeline.SCORING_REVISION + 1)
+        m.setattr(run_output, "SCORING_REVISION", run_output.SCORING_REVISION + 1)
         assert "up to date" not in run("score", arch, "-o", outdir, "--no-progress", "--raw").output
 
 
@@ -191,7 +192,8 @@ def test_verify_reports_a_changed_row(tmp_path, sample_slice):
 
 def test_many_chunks_and_two_inputs_into_one_output(tmp_path, sample_slice):
     """Chunked reading and writing keep every row, in order, across chunks and files."""
-    from policyscan.engine.run.pipeline import OutputSpec, score_inputs
+    from policyscan.engine.outputs.accounting import OutputSpec
+    from policyscan.engine.run.pipeline import score_inputs
     from policyscan.engine.policy.bundle import load_policies
     from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings

@@ -76,7 +76,8 @@ def test_wrong_adapter_for_the_model(tmp_path):
 
 def test_a_text_the_tokenizer_drops_is_an_error_row(tmp_path):
     """Some tokenizers normalize a text to nothing; with no BOS or template that would be an empty prompt."""
-    from policyscan.engine.run.pipeline import OutputSpec, score_inputs
+    from policyscan.engine.outputs.accounting import OutputSpec
+    from policyscan.engine.run.pipeline import score_inputs
     from policyscan.engine.policy.bundle import load_policies
     from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings

@@ -1,4 +1,4 @@
-"""The guard-model recipes in examples/guards (issue 36): every bundle loads through the policy loader, renders a
+"""The guard-model recipes in examples/guards: every bundle loads through the policy loader, renders a
 sample conversation through its own chat template into the prompt its model card gives, and its pieces
 (prefix, conversation, suffix, each encoded alone) encode as the whole prompt does. No model is downloaded: the
 tokenizers are small BPE fixtures built like each family's (its special tokens, pre-tokenizer and BOS), and tiny

@@ -25,7 +25,9 @@ from policyscan.engine import files
 from policyscan.engine.run import pipeline
 from policyscan.engine.inputs.discover import expand_inputs
 from policyscan.engine.errors import InputError
-from policyscan.engine.run.pipeline import OutputSpec, StrictStop, run_key, score_inputs, up_to_date
+from policyscan.engine.outputs.accounting import OutputSpec, StrictStop
+from policyscan.engine.outputs.run_output import run_key, up_to_date
+from policyscan.engine.run.pipeline import score_inputs
 from policyscan.engine.policy.bundle import load_policies
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings

@@ -1,6 +1,6 @@
-"""Issue 38, reading inputs: bad bytes, missing fields, lone surrogates, categorical and damaged Parquet,
-policyscan's own outputs, link loops and duplicate inputs. Each bad row costs that row only, with its
-line or row number; the sources are tested directly (no model)."""
+"""The input readers (engine/inputs) on bad input: bad bytes, missing fields, lone surrogates, categorical and
+damaged Parquet, policyscan's own outputs, link loops and duplicate inputs. Each bad row costs that row only,
+with its line or row number; the sources are tested directly (no model)."""
 from __future__ import annotations
 
 import json

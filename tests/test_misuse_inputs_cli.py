@@ -1,4 +1,4 @@
-"""Issue 38, reading inputs, through the CLI on the sample model with a few rows: bad rows cost their own
+"""`score` and `inspect` on bad inputs, through the CLI on the sample model with a few rows: bad rows cost their own
 line, `-o DIR/` inside the archive never reads its own outputs, a broken chat template is reported once,
 `inspect` gives line numbers and lists a folder of policy bundles."""
 from __future__ import annotations

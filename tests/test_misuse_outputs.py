@@ -1,5 +1,5 @@
-"""Issue 38, data loss: no command writes over its inputs, the model or a policy; an output and its errors file
-change together or not at all; a killed run's temporary files are cleaned by the next one."""
+"""Writing outputs loses no data: no command writes over its inputs, the model or a policy; an output and its
+errors file change together or not at all; a killed run's temporary files are cleaned by the next one."""
 from __future__ import annotations
 
 import errno

@@ -1,4 +1,4 @@
-"""Issue 38, calibrate: policy.json stays valid JSON, a handful of rows never replaces a calibration without
+"""What `calibrate` writes: policy.json stays valid JSON, a handful of rows never replaces a calibration without
 a word, and "before" is the policy's current calibration. Inputs are `score --raw` style files (no model run)."""
 from __future__ import annotations
 

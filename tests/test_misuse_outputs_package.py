@@ -1,4 +1,4 @@
-"""Issue 38: a non-editable install (a wheel) still has the sample model and policies that --model and
+"""The package data: a non-editable install (a wheel) still has the sample model and policies that --model and
 --policies default to. Built offline from a copy of the tree, so the working tree gets no build/ or egg-info."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 38: nothing silently wrong in what `score` writes and `verify` concludes (non-finite weights and
-scores, tokenizer and template edits, duplicate ids, paths from elsewhere), exit codes as documented, and
-the reviewer's columns."""
+"""Nothing silently wrong in what `score` writes and `verify` concludes (non-finite weights and scores,
+tokenizer and template edits, duplicate ids, paths from elsewhere), exit codes as documented, and the flagged_
+and truncated_ columns."""
 from __future__ import annotations
 
 import gzip

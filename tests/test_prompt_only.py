@@ -1,5 +1,5 @@
-"""Prompt-only policies (issue 36): a bundle with policy.json and no adapter scores the base model itself, in the
-same batches as LoRA policies, bitwise as the base model does."""
+"""Prompt-only policies (engine/policy/bundle.py): a bundle with policy.json and no adapter scores the base model
+itself, in the same batches as LoRA policies, bitwise as the base model does."""
 import json
 import shutil
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Labels as guard models' cards read them (issue 36): a label longer than one token is read from its first token
+"""Policy labels as guard models' cards read them: a label longer than one token is read from its first token
 when the two labels' first tokens differ; labels that start alike are refused; inspect says which token it reads."""
 import json
 import shutil

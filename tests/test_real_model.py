@@ -87,7 +87,7 @@ def relative_error(f: np.ndarray, ref: np.ndarray) -> float:
 def test_gpu_on_a_real_model_within_its_cpu_twin(tmp_path, smollm2, precision):
     """The GPU kernels on SmolLM2 against the fp32 engine: no further from it than the CPU path of the same
     numerics (bf16 engine, or the W8A8 twin) is, with room for another summation order (1.5x). HF bf16's error is
-    printed beside it (the figure issue 7 compares FP8 with)."""
+    printed beside it (the figure docs/performance.md compares FP8 with)."""
     import transformers as tf
 
     from policyscan.engine.policy.bundle import load_policies

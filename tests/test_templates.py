@@ -1,5 +1,6 @@
-"""Chat templates (issue 36): where a model's templates are read, --chat-template, a policy's chat_template, and no
-silent fallback: a messages column with no template is a usage error that names --chat-template plain."""
+"""Chat templates (engine/text/chat_template.py): where a model's templates are read, --chat-template, a policy's
+chat_template, and no silent fallback: a messages column with no template is a usage error that names
+--chat-template plain."""
 import json
 import shutil
 from pathlib import Path

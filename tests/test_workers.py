@@ -19,7 +19,8 @@ import pytest
 
 from faults import kill_workers_taking
 from policyscan.engine.errors import PolicyscanError
-from policyscan.engine.run.pipeline import OutputSpec, score_inputs
+from policyscan.engine.outputs.accounting import OutputSpec
+from policyscan.engine.run.pipeline import score_inputs
 from policyscan.engine.policy.bundle import load_policies
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
@@ -239,7 +240,7 @@ def test_a_worker_that_reads_changed_policies_on_its_restart_is_given_up_and_the
 SCRIPT = """
 import signal, sys
 from pathlib import Path
-from policyscan.engine.run.pipeline import OutputSpec
+from policyscan.engine.outputs.accounting import OutputSpec
 from policyscan.engine.policy.bundle import load_policies
 from policyscan.engine.settings import EngineSettings
 from policyscan.engine.inputs.sources import ReadSpec

@@ -10,19 +10,15 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.inputs.jsonl import first_column, read_jsonl_range
-from policyscan.engine.run.pipeline import FileFailure, encoded_chunks
 from policyscan.engine.inputs.rows import Chunk, ReadSpec
 from policyscan.engine.inputs.sources import (Lost, ParquetLayout, lost_rows, layout_chunk, parquet_layout,
                                       read_chunks)
 
-if TYPE_CHECKING:  # torch: the `score --ray` driver plans units without it
-    from policyscan.engine.run.runner import Engine
 
 # A unit's rows at most: small enough that a large row group is shared out between devices and that its results
 # wait in the parent's reorder buffer in little memory, large enough that handing it out costs nothing beside it.
@@ -215,11 +211,6 @@ def unit_chunks(unit: Unit, spec: ReadSpec, render: Callable[[list], str]) -> It
         return read_jsonl_range(unit.path, spec, render, part.start, part.end, part.first_line, part.first_row,
                                 part.column)
     return _slice_chunks(unit.path, part, spec, render)
-
-
-def unit_items(engine: Engine, unit: Unit, spec: ReadSpec) -> Iterator[tuple[Chunk, list] | FileFailure]:
-    """A unit's chunks with their conversations encoded, or the failure of its file (as pipeline._encoded)."""
-    return encoded_chunks(engine, unit.path, unit_chunks(unit, spec, engine.encoder.render))
 
 
 def _slice_chunks(path: Path, part: RowSlice, spec: ReadSpec, render: Callable[[list], str]) -> Iterator[Chunk]:

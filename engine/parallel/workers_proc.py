@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from policyscan.engine.errors import InputError, PolicyscanError
-from policyscan.engine.run.pipeline import Accounting, FileFailure, StrictStop, hash_ids, prefetch, score_chunk
+from policyscan.engine.outputs.accounting import Accounting, FileFailure, StrictStop
+from policyscan.engine.outputs.run_output import hash_ids
+from policyscan.engine.run.pipeline import prefetch, score_chunk, unit_items
 from policyscan.engine.inputs.rows import PartialFileError
 from policyscan.engine.policy.bundle import fingerprint, load_policies
-from policyscan.engine.inputs.units import unit_items
 from policyscan.engine.parallel.worker_start import apply_env
 
 if TYPE_CHECKING:  # torch: imported where the worker starts, so that the Ray driver can take Failed without it

@@ -13,13 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 
 from policyscan.engine.errors import InputError
-from policyscan.engine.run.pipeline import (Accounting, FileFailure, OutputSpec, StrictStop, file_failure,
-                                        commit_outputs, open_outputs)
+from policyscan.engine.outputs.accounting import Accounting, FileFailure, OutputSpec, StrictStop, file_failure
+from policyscan.engine.outputs.run_output import Job, RunOutput
 from policyscan.engine.inputs.rows import ReadSpec
-from policyscan.engine.outputs.sinks import ErrorWriter, ScoreWriter
 from policyscan.engine.inputs.units import UNIT_BYTES, UNIT_ROWS, LineRange, Unit, plan_units, range_lines
 from policyscan.engine.parallel.workers import DEPTH, Event, Worker, WorkerPool
 from policyscan.engine.parallel.workers_proc import Failed, Scored, Stopped
@@ -46,12 +44,11 @@ class _Slot:
 
 
 class _Sink:
-    """The writers and the accounting of one output: units' parts written in order, as score_inputs writes."""
+    """One output's units written in order through its RunOutput, as score_inputs writes chunks."""
 
-    def __init__(self, writer: ScoreWriter, err: ErrorWriter, acc: Accounting, strict: bool,
-                 progress: Callable[[int, int], None] | None):
-        self.writer, self.err, self.acc, self.strict, self.progress = writer, err, acc, strict, progress
-        self.hashes: list[np.ndarray] = []
+    def __init__(self, run: RunOutput, progress: Callable[[int, int], None] | None):
+        self.run, self.progress = run, progress
+        self.writer, self.err, self.acc, self.strict = run.writer, run.err, run.acc, run.out.strict
 
     def write(self, slot: _Slot) -> None:
         for part in slot.parts:
@@ -70,7 +67,7 @@ class _Sink:
             self.err.add(*e)
         for w in part.writes:
             self.writer.write(*w)
-        self.hashes.append(part.hashes)
+        self.run.id_hashes.append(part.hashes)
         self.acc.add(part.acc)
         self.acc.output_seconds += time.perf_counter() - t
         if self.progress:
@@ -155,18 +152,12 @@ def score_inputs_workers(pool: WorkerPool, inputs: list[Path], output: Path, err
     workers' devices. On any failure (Ctrl-C, SIGTERM) the workers are stopped and nothing is left behind."""
     if pool.policies is None:
         raise RuntimeError("WorkerPool.expect(policies) comes before scoring: the outputs' metadata needs them")
-    shas, writer, err, acc = open_outputs(pool.policies, inputs, output, errors, out, keyed, input_sha256)
-    sink = _Sink(writer, err, acc, out.strict, progress)
-    t0 = time.perf_counter()
+    run = RunOutput(pool.policies, Job(inputs, output, errors), spec, out, keyed, input_sha256)
     try:
         units = plan_units(inputs, spec, unit_rows, unit_bytes)
-        _Schedule(pool, units, spec, out.strict, window=2 * DEPTH * len(pool.config.devices)).run(sink)
-        acc.seconds = time.perf_counter() - t0
-        commit_outputs(pool, pool.file_hashes(), sink.hashes, inputs, shas, output, errors, spec, out, keyed, writer,
-                       err, acc, workers=pool.devices)
+        _Schedule(pool, units, spec, out.strict, window=2 * DEPTH * len(pool.config.devices)).run(_Sink(run, progress))
+        return run.commit(pool, workers=pool.devices)
     except BaseException:
         pool.close(clean=False)  # its workers may hold units of this run: they must not reach another one
-        writer.abort()
-        err.abort()
+        run.abort()
         raise
-    return acc

@@ -147,6 +147,10 @@ class Engine:
                 f[items] = out.cpu().numpy()
         return f
 
+    def file_hashes(self) -> dict:
+        """The model's files and their sha256 (Checkpoint.file_hashes)."""
+        return self.checkpoint.file_hashes()
+
     def describe(self) -> dict:
         """Everything an auditor needs to reproduce a run: model, adapters, calibration, settings, versions."""
         return {
