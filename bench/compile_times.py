@@ -1,8 +1,8 @@
-"""Where a fresh machine's compile time goes (issue 35, docs/performance.md): a workload's kernel variants, as the
+"""Where a fresh machine's compile time goes (docs/performance.md): a workload's kernel variants, as the
 engine's compile-ahead dry run finds them (engine/warmup/compile_ahead.py), compiled into an empty Triton cache by
 the engine's compiling workers (engine/warmup/compile_procs.py), each variant timed.
 
-Prints: a process's import of the kernels alone (one, and --workers at once, as the children of session 33 did);
+Prints: a process's import of the kernels alone (one, and --workers at once, as spawned compiling workers would);
 then, the workers started and their import done first (as the engine starts them before its model load), each
 variant's compile seconds, the slowest, their sum, and the makespan in the dry run's order against the
 longest-first order's.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, accuracy, then the benchmark (its table last).
 #   bash bench/device.sh [bench/run.py args...]    env: SKIP_TESTS, GPU_TESTS, SWEEP, ACCURACY
-# GPU_TESTS: the test files or node ids to run (default: all of tests/, which took >340 s in run 52 and does not
-# fit one 600 s call beside a benchmark: split it, e.g. GPU_TESTS="tests/test_gpu_engine.py tests/test_invariance.py")
+# GPU_TESTS: the test files or node ids to run (default: all of tests/, which does not fit one 600 s call beside a
+# benchmark: split it, e.g. GPU_TESTS="tests/test_gpu_engine.py tests/test_invariance.py")
 set -o pipefail
 export PYTHONUNBUFFERED=1
 # The device image sets PYTHONDONTWRITEBYTECODE=1 over read-only site-packages without bytecode: every process

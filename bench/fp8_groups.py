@@ -1,4 +1,4 @@
-"""What 1x128 activation groups (issue 7's one FP8 option that cuts the error at FP8's cost, docs/performance.md)
+"""What 1x128 activation groups (the FP8 option that cut the error most at FP8's cost, docs/performance.md)
 cost in a GEMM's main loop, at W1's four projection shapes, on the GPU:
 
     python bench/fp8_groups.py [--rows 16384]

@@ -1,7 +1,7 @@
-"""Scale-out overhead (issue 33, docs/performance.md): one workload through `policyscan score` three ways in one
-call, each in a fresh process on one GPU, against today's path:
+"""Scale-out overhead (docs/performance.md): one workload through `policyscan score` three ways in one call, each
+in a fresh process on one GPU, against the in-process path:
 
-    (a) cli      `policyscan score`, scoring in its own process (what one GPU gets today)
+    (a) cli      `policyscan score`, scoring in its own process (what `score` does on one GPU)
     (b) workers  the local multi-worker path (engine/parallel/workers.py) with one GPU worker
     (c) ray      `policyscan score --ray` on a local Ray cluster of one GPU (one actor)
 

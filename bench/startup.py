@@ -1,4 +1,4 @@
-"""Start-up (issue 10, docs/performance.md): what a nightly job pays before and around scoring, through
+"""Start-up (docs/performance.md): what a nightly job pays before and around scoring, through
 `policyscan score` in fresh processes on one workload (bench/e2e.py's model, bundles and Parquet input):
 
     fresh     Triton's cache empty (TRITON_CACHE_DIR a new folder): a fresh machine

@@ -1,4 +1,4 @@
-"""Where a start-up's time goes (issue 35, docs/performance.md): `policyscan score ARGS` in this process with the
+"""Where a start-up's time goes (docs/performance.md): `policyscan score ARGS` in this process with the
 engine's start-up steps timed from the process's start, the time spent inside the policies' attach summed per
 step, when each compiling worker answered its first variant, and each compiled variant's seconds from hand-out to
 answer (per kernel, then one line a variant with Triton's specialization). Times count from this script's first

@@ -56,7 +56,7 @@ def sweep_prologue() -> None:
 
 
 def sweep_prologue_norm() -> None:
-    """The norm prologues (qkv, gate_up), the slow ones per byte (run 47b: 1.2-1.5 TB/s against o's 2.9): larger
+    """The norm prologues (qkv, gate_up), the slow ones per byte (1.2-1.5 TB/s against o's 2.9 before): larger
     row blocks read each adapter's A once for more rows (qkv: 48 ranks x 3072 of A per block, as many bytes a
     row as x itself at 64 rows), with the software pipeline's depth."""
     g = torch.Generator(device="cuda").manual_seed(0)

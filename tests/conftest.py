@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# the digest cache (engine/files.py) of this session only: nothing read from or left in the user's
+# the digest cache (engine/files.py) of this test run only: nothing read from or left in the user's
 os.environ.setdefault("POLICYSCAN_CACHE_DIR", tempfile.mkdtemp(prefix="policyscan_test_cache_"))
 
 
@@ -48,7 +48,7 @@ LABELED_ROWS = 80  # calibrate's labeled slice: 27 pii violations, so >= 10 of e
 @pytest.fixture(scope="session")
 def sample_slice(tmp_path_factory) -> dict[str, Path]:
     """The first SLICE_ROWS rows of the sample conversations as Parquet and JSONL (the same conversations and
-    ids as sample_data/conversations.*), and the first LABELED_ROWS of labeled.parquet; written once a session."""
+    ids as sample_data/conversations.*), and the first LABELED_ROWS of labeled.parquet; written once a test run."""
     import pyarrow.parquet as pq
 
     root = tmp_path_factory.mktemp("sample_slice")
