@@ -13,9 +13,8 @@ CUDA graph captured for a token bucket replay any batch of that size; nor are pr
 short sequence lacks.
 Batch invariance: a program walks its sequence's keys in a fixed order, so nothing outside the sequence
 changes its result.
-Why not a library kernel: on W1's first 16k-token batch PyTorch's FlashAttention-2 varlen forward took 429 us
-against this kernel's 280 us (both batch-invariant; bench/sweep.py attention_lib), and it cannot read
-cached prefix rows in place.
+Why not a library kernel: PyTorch's FlashAttention-2 varlen forward, batch-invariant too, was slower at W1's
+batches (bench/sweep.py attention_lib, docs/performance.md), and it cannot read cached prefix rows in place.
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ def set_threads(n: int) -> None:
     threads, each at 1 torch thread, taking whole row chunks and whole sequences.
     Why: MKL splits K across its threads for some shapes, and then a row's product depends on how many rows
     share the call (2 threads: rows moved with M for K >= 1000 at N 16 to 512) and on the thread count; one
-    thread's product gave every row the same bits for every M (K 512-4096, N 16-2048). And on a shared
-    2-core machine OpenMP's barriers collapsed (a 20-row file: 67 s on 2 threads, 11 s on 1; issue 35)."""
+    thread's product gave every row the same bits for every M (K 512-4096, N 16-2048). And on a shared machine
+    OpenMP's barriers collapsed: 2 of its threads ran many times slower than 1 (docs/performance.md)."""
     global _POOL, _THREADS
     if n < 1:
         raise ValueError(f"threads must be at least 1, got {n}")
@@ -41,8 +41,8 @@ def map_items(fn: Callable, items: Iterable) -> list:
     if _POOL is None or len(items) < 2 or getattr(_INSIDE, "on", False):
         return [fn(i) for i in items]
     mode = torch.is_inference_mode_enabled()  # thread-local: the pool's threads take the caller's
-    # every thread takes every n-th item, this one too: with this thread on the first alone, a batch's 24
-    # sequences left one pool thread 23 of the attention's (0.66 s of a 2.2 s pass waited on it)
+    # every thread takes every n-th item, this one too: with this thread on the first alone, one pool thread took
+    # all of a batch's sequences but one, and the pass waited on it (docs/performance.md)
     groups = [range(g, len(items), _THREADS) for g in range(_THREADS)]
 
     def run(group: range) -> list:
@@ -105,8 +105,8 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 def by_rows(fn: Callable[[slice], None], M: int) -> None:
     """fn over 16-row-aligned slices of M rows on the pool's threads, each writing its rows of the caller's output
     in place: for work whose rows do not depend on each other (a projection's GEMM and its epilogue, which on one
-    thread held the mid shape at 0.4x HF's tokens/s; issue 10). In place: concatenating the slices' results was
-    0.2 s of a 2.1 s mid-shape pass, on one thread."""
+    thread held the CPU path far below HF's speed). In place: concatenating the slices' results cost a tenth of a
+    pass (docs/performance.md)."""
     parts = min(_THREADS, M // _MIN_CHUNK)
     if parts < 2:
         fn(slice(0, M))

@@ -11,10 +11,10 @@ and predicated multiplies on every element): SiLU took about 13 instructions an 
 and the prologue's u / scale three multiplies where one by the row's reciprocal does. In range the products
 are the same bits: div.full(x, y) is x * rcp.approx(y) for 2^-126 <= |y| <= 2^126 (a whole W1 pass gave
 bitwise the same f with the fast SiLU). Out of range: silu gives -0 for g < -87 (true value about
--1e-36); the prologue's scale is kept at 2^-126 or more (reference.quantize_rows). At the 700 W cap fewer
-instructions is more clock: W1 +0.6% for the SiLU (174.1k against 173.1k mean over 3 alternating
-passes), +1.5% with the prologue's (176.1k against session 23's 173.6k on one GPU). The interpreter
-(CPU) has no inline assembly: callers take the plain formulas there (FAST false).
+-1e-36); the prologue's scale is kept at 2^-126 or more (reference.quantize_rows). At the GPU's power cap fewer
+instructions is more clock: the fast SiLU, and the prologue's reciprocal with it, each made W1 faster end to end
+(docs/performance.md). The interpreter (CPU) has no inline assembly: callers take the plain formulas there (FAST
+false).
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def to_bf16(x):
     """x.to(bfloat16), two elements a cvt.rn.bf16x2.f32. Where an epilogue stores y.to(bf16) and also needs
     those values in fp32 (the o and down projections' row maxima of |y * next norm weight|), the compiler
     converted one element an F2F and then permuted and shifted bytes: with these two, o's epilogue (SASS for
-    sm_90a) has 128 instructions fewer a tile and thread, out of ~2200; W1 177.2k / 177.7k against 177.4k / 177.4k
-    together with the attention's max before scale: within the noise."""
+    sm_90a) has 128 instructions fewer a tile and thread, out of ~2200; end to end, together with the attention's
+    max before scale, within the noise (docs/performance.md)."""
     return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=tl.bfloat16,
                                      is_pure=True, pack=2)
 

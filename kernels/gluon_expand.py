@@ -3,8 +3,8 @@
 Semantics: acc + s[rows of adapter a] @ B[a].T over the adapters a present in the tile's rows, through ranks
 [r_lo, r_hi): all R, or the tile's span (kernels/spans.py: B is zero outside it) — reference.lora_gemm's expand.
 One bf16 MMA per adapter through B's slice in shared memory (l_smem), past 64 ranks in 64-rank pieces
-(M = 3000, rank 192, 128 adapters: 162 against the Triton kernel's 587 us), and through each tile's rank span when
-given (spans.py: qkv 1.08x). The MMAs are the Triton kernel's k16 instructions in its order, so the rows are
+(several times faster than the Triton kernel there), and through each tile's rank span when given (spans.py;
+docs/performance.md). The MMAs are the Triton kernel's k16 instructions in its order, so the rows are
 bitwise that kernel's.
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ def expand_tile(acc, l_smem, off_m, off_n, pid_n, M, N, R, s_ptr, b_ptr, ad_ptr,
     br = r_lo + gl.arange(0, BR, layout=gl.SliceLayout(0, b_layout))
     # rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows.
     # Only the adapters present: a stack of hundreds with a few in the batch leaves gaps of absent ids
-    # between them, 7.3x the time at M = 2000 (460.8 against 63.3 us, 4 of 256 adapters; 2.1x at 16k
-    # rows) when each id from lo to hi was visited; no change with W1's 8 (457.5 against 461.2 us)
+    # between them, which a visit of each id from lo to hi paid for many times over; with a few adapters the
+    # two cost the same (docs/performance.md)
     a_id = lo
     while a_id <= hi:
         if WIDE:  # ranks past 64 in 64-rank pieces through the one B slice buffer: the same k16 MMAs in

@@ -10,12 +10,12 @@ are 128 bytes, the widest swizzle), well ahead of use; one warpgroup reads each 
 the quantization while the shrink's bf16 wgmma reads the same box, and h8 leaves by TMA stores. Programs are
 persistent (two an SM), so the loader runs into the next row block while the last one's stores drain. A block
 holding several adapters sweeps again for each (from L2), only the first sweep quantizing.
-Speed (32k rows): qkv 138 -> 97 us, o 93 -> 90, gate_up 149 -> 93, down 259 -> 237 against the Triton
-kernel: 3.1-3.5 TB/s of one pass over x and h8, where torch's bf16 -> e4m3 cast runs 3.33.
-Where it runs: only where the caller asks (model.py: qkv's prologue). At the 700 W cap a memory-bound kernel is
-judged by the kernel after it: gate_up's GEMM ran 12% slower right after this prologue (the HBM burst's power
-spike cuts the clock; 140 us of idle between the two gave most of it back), so with every FP8 prologue here W1
-lost 3.1%; with qkv's alone it gained 0.84%, and o's and down's lost 0.2%.
+Speed: faster than the Triton kernel at every projection, one pass over x and h8 at about the rate of torch's
+own bf16 -> e4m3 cast (docs/performance.md).
+Where it runs: only where the caller asks (model.py: qkv's prologue). At the GPU's power cap a memory-bound
+kernel is judged by the kernel after it: the GEMM right after this prologue ran slower (the HBM burst's power
+spike cuts the clock; idle time between the two gave most of it back), so on every projection it lost end to
+end, and on qkv's alone it gains (docs/performance.md).
 
 Rows: h8 is bitwise the Triton kernel's (the same fp32 products, the same rounding); the norm's sum of squares and
 the shrink are reduced in another order (per 64-column box, the MMA chained over a stage), so h_scale and s may

@@ -4,15 +4,15 @@ Semantics: rope.rope_cols without head norms, on one output tile already rounded
 the tile whose columns lie in [0, rope_cols) rotated at its row's position, fp32 inside, rounded again — the
 rope pass's instructions (rope._rope_kernel), so the rows are bitwise the same.
 
-Why in the GEMM: a pass over k cost 0.8 ms a layer of W1's plan, and the attention rotating q as it loaded it
-1.9 ms more than on rotated q (13.6 against 11.7 ms).
+Why in the GEMM: a pass of its own over k, and the attention rotating q as it loads it, each cost more than the
+rotation in the epilogue does (docs/performance.md).
 Why in registers: in wgmma's accumulator layout a thread holds column n and its rotate-half partner n + HALF
 (both bit patterns differ in a register-index bit), so the rotation is a renaming of registers, with no round
 trip through shared memory (within the noise end to end, 136 fewer instructions a tile and thread).
-Why packed tables (reference.pack_rope: fp16 cos and sin in one int32 word): the rope's cost at the 700 W cap
-is its table loads and arithmetic; no rotation at all ran W1 2.1% faster, and packed tables, half
-the bytes and 32 instead of 64 8-byte loads a thread and tile (SASS for sm_90a), gave 0.8% of it back (measured
-with bf16 halves; fp16's are as many instructions, an HADD2.F32 a value where bf16 took a shift or a mask).
+Why packed tables (reference.pack_rope: fp16 cos and sin in one int32 word): the rope's cost at the GPU's power
+cap is its table loads and arithmetic, and packed tables, half the bytes and 32 instead of 64 8-byte loads a
+thread and tile (SASS for sm_90a), win back part of it (docs/performance.md; timed with bf16 halves, and fp16's
+are as many instructions, an HADD2.F32 a value where bf16 took a shift or a mask).
 """
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype)
 (+ bias) (+ residual), fp32 accumulation, one rounding to y's dtype; with silu_out, W's rows alternate
 gate and up and y = silu(y[:, 0::2]) * y[:, 1::2] (gelu_tanh with gelu: gemma2) — reference.lora_gemm.
 
-Why SiLU-and-mul here: as the down projection's prologue it re-read the [T, 2I] gate/up output twice,
-392 us of each 16k-token batch per layer at W1's shape (bench/sweep.py); here gate and up sit
-side by side in the accumulator and only [T, I] is written.
+Why SiLU-and-mul here: as the down projection's prologue it re-read the [T, 2I] gate/up output twice
+(bench/sweep.py, docs/performance.md); here gate and up sit side by side in the accumulator and only [T, I] is
+written.
 
 Why fused: the expand reads s [M, R] and one [BN, R] slice of B per tile; doing it in the epilogue saves
 a full read-modify-write of y [M, N] that a separate expand kernel costs.
@@ -27,7 +27,7 @@ from policyscan.kernels.rope import rope_cols
 from policyscan.kernels.spans import RankSpans
 from policyscan.kernels.tuning import WS_BN, WS_MIN_ROWS, gemm_tiles
 
-try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (3.6 was measured)
+try:  # the warp-specialized Hopper FP8 kernel needs Triton's Gluon with its Hopper API (written for Triton 3.6)
     from policyscan.kernels import lora_gemm_ws
 except (ImportError, AttributeError):  # another Triton: the Triton kernel below takes every call
     lora_gemm_ws = None
@@ -75,8 +75,8 @@ def _epilogue(acc, rm, rn, M, N, R, y_ptr, xs_ptr, ws_ptr, s_ptr, b_ptr, ad_ptr,
         s = s.to(b_ptr.dtype.element_ty)
         # Rows are sorted by adapter, so a tile usually holds one; a tile across a boundary masks rows per adapter.
         # Never software-pipelined: Triton 3.6 pipelined this loop wrongly, rows of tiles across adapters moving
-        # run to run (bf16 gate_up at 65k rows: ~800 rows a call, bench/determinism.py trace) and, at a stacked
-        # rank of 64, off by up to 7e3. A while loop over the present ids only (as gluon_expand) was deterministic
+        # run to run (bench/determinism.py trace; docs/performance.md) and, at a stacked rank of 64, far off. A
+        # while loop over the present ids only (as gluon_expand) was deterministic
         # end to end but failed two explicit-feed GPU kernel tests (cause not established): a plain range here.
         for a_id in tl.range(lo, hi + 1, num_stages=1):
             acc = _expand(acc, s, ad == a_id, b_ptr + a_id * stride_bn_a, rn, rr, n_ok, R, stride_bn, PREC)
@@ -179,12 +179,12 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     kernel's epilogue where it can (lora_gemm_ws.rope_ok), otherwise by the pass after (rope.rope_cols).
 
     FP8 batches of tuning.WS_MIN_ROWS rows or more on a Hopper GPU go to the warp-specialized Gluon kernel
-    (lora_gemm_ws.py): 1.02-1.10x the Triton kernel's speed at W1's and W4's shapes at 16k rows
-    (bench/sweep.py gemm_ws). Both give bitwise the same rows (every case checked there, and
+    (lora_gemm_ws.py), faster than the Triton kernel at W1's and W4's shapes (bench/sweep.py gemm_ws,
+    docs/performance.md). Both give bitwise the same rows (every case checked there, and
     tests/test_kernels.py::test_fp8_gemm_kernels_agree_bitwise), so the choice by M keeps batch invariance.
     Stacked ranks over 64 (r = 32 on q, k and v is 96) take the Gluon kernel at the same M, its expand in 64-rank
     pieces: the Triton kernel's 128x256 tiles spill at BR = 128 (2.7 KB a thread compiled for sm_90a, against
-    1.0 KB at 64) and ran rank 192 with 128 adapters at 587 against the Gluon kernel's 162 us (M = 3000).
+    1.0 KB at 64), and the Gluon kernel ran such ranks several times faster (docs/performance.md).
     gelu (with silu_out): GELU-tanh-and-mul, which only the Triton kernel has, so those calls stay there."""
     M, K = x.shape
     N = W.shape[0]

@@ -12,10 +12,9 @@ alternate 128x128 tiles (a 128x128 fp32 accumulator is 128 registers a thread): 
 the other runs the previous tile's epilogue. The residual arrives by TMA during the mainloop and the output
 leaves by TMA (pointer tiles spilled 744-904 bytes a thread). The multi-LoRA expand is gluon_expand.py's, the
 SiLU-and-mul fast_math.py's (the Triton kernel's instructions, so the same bits), the rope gluon_rope.py's.
-Run 22 (16k rows, W1's qkv / o / gate_up / down): 434 / 277 / 1373 / 696 us against the Triton kernel's
-466 / 304 / 1495 / 709 and _scaled_mm's 461 / 286 / 1436 / 693; 4 stages (5 fit only at gate_up: 1432 us).
-Cooperative 128x256 tiles (two m64n256 consumers sharing W tiles, as DeepGEMM) gave the same rows at 0.93-1.05x
-this speed and nothing end to end.
+At 16k rows it is faster than the Triton kernel and torch._scaled_mm at each of W1's four projections, with 4
+stages (5 fit only at gate_up, and were slower there). Cooperative 128x256 tiles (two m64n256 consumers sharing W
+tiles, as DeepGEMM) gave the same rows at about this speed and nothing end to end (docs/performance.md).
 Batch invariance: BK is fixed and one warpgroup reduces K in order, with the Triton kernel's MMA instructions in
 its order: the rows are bitwise that kernel's (test_fp8_gemm_kernels_agree_bitwise), so lora_gemm picks by M.
 CPU: Gluon has no interpreter; the same semantics run in lora_gemm.py's Triton kernel under TRITON_INTERPRET=1.

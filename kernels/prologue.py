@@ -10,8 +10,7 @@ The shrink reads 16-bit activations, never the FP8 ones (docs/design.md). One pr
 in chunks. The FP8 scale needs amax |u| before the first write; the kernels that write every projection's
 input (attention, and the GEMM epilogues, times the next norm's weight) leave partial row maxima of what they
 stored (x_amax), whose max is that amax exactly, so a quantizing prologue sweeps its input once and sums the
-norm's squares on the way (bench/sweep.py: a W1 layer's four prologues 421 -> ~349 us a 16k
-batch; with the one-pass attention, W1 159.8k -> 163.8k tokens/s and W4 430.4k -> 448.0k). Without
+norm's squares on the way (bench/sweep.py; faster per layer and end to end, docs/performance.md). Without
 x_amax (the first layer's input, the embeddings) a first sweep finds the amax; at 16 bits a first sweep finds
 the sum of squares, which must come before the normed h is written.
 """
@@ -54,7 +53,7 @@ def _out_chunk(x_ptr, nw_ptr, h_ptr, rm, m_ok, rk, K, stride_xm, stride_hm, scal
         # The shrink reads h = x as loaded (with a norm, A carries its weight): a loaded operand goes to the MMA
         # from the pipeline's shared memory, where the normed u at 16 bits went through registers and a layout
         # conversion, and the single-adapter sweep wins now (config below). Without a norm, converting
-        # a fp32 copy back had cost o's prologue 52 -> 71 us.
+        # a fp32 copy back had slowed o's prologue by a third (docs/performance.md).
         h = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
         u = h.to(tl.float32)
         if NORM:

@@ -63,7 +63,8 @@ def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[to
 
 def _rows(token_adapter: torch.Tensor, a: int) -> slice | torch.Tensor:
     """Adapter a's rows: a slice where they are contiguous (a packed batch groups them), which indexes without a
-    gather and scatter of every row (1b shape: 0.9 s of a 10 s pass), else their indices."""
+    gather and scatter of every row (a tenth of a CPU pass at the 1b shape, docs/performance.md), else their
+    indices."""
     rows = (token_adapter == a).nonzero().squeeze(1)
     first, last = (int(rows[0]), int(rows[-1])) if len(rows) else (0, -1)
     return slice(first, last + 1) if last - first + 1 == len(rows) else rows
@@ -92,7 +93,7 @@ def prologue(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, A: t
     reads x as loaded.
     s is rounded to A's dtype, the expand's operand dtype (lora_gemm rounds s to B's, which is A's): the
     rounding the GEMM did, done once where s is written, so every GEMM tile reads half the bytes for the same
-    bits (W1 +0.67%, f bitwise the same).
+    bits (faster end to end, docs/performance.md; f bitwise the same).
     x_amax: partial row maxima of |u| [P, M] from the kernel that wrote x (row_amax of lora_gemm and
     varlen_attention): their max is amax(|u|) exactly, so it replaces the quantizer's own sweep. tma picks how
     the GPU kernel streams x (kernels/prologue.py); the semantics are the same, so it is ignored here."""
@@ -202,8 +203,8 @@ def rope_tables(ang: torch.Tensor, packed: bool) -> tuple[torch.Tensor, torch.Te
 def pack_rope(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """cos and sin [P, D/2] fp32 tables of fp16 values as one int32 word an entry, fp16 cos in the low half and
     fp16 sin in the high half: half the bytes and loads of the two fp32 tables, for the same values.
-    Why: at the 700 W cap the qkv GEMM's epilogue paid W1 2.1% for the rope, and packed tables gave 0.8% of it
-    back (181.2k against 179.8k, every pass)."""
+    Why: at the GPU's power cap the qkv GEMM's epilogue pays for the rope's table loads, and packed tables win back
+    part of what the rope costs (docs/performance.md)."""
     c16, s16 = cos.to(torch.float16), sin.to(torch.float16)
     if not (torch.equal(c16.float(), cos) and torch.equal(s16.float(), sin)):
         raise ValueError("pack_rope packs fp16 values: round the cos/sin tables to fp16 first")

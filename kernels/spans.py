@@ -6,9 +6,8 @@ computes the same y; lora_gemm_ws uses it to expand each 128-column tile through
 all R.
 
 Why: q, k and v share one GEMM, so their ranks stack (W1: 3 x 16 = 48, padded to 64) while B is block
-diagonal: a q column has only q's 16 ranks. The qkv GEMM at W1's 32k-row batch took 952.6 us with the
-48-rank expand, 863.1 us with a 16-rank one and 838.8 us with none; through spans 938.9 -> 866.1 us (W4's
-806.4 -> 728.9), and W1 +0.85% end to end.
+diagonal: a q column has only q's 16 ranks. The 48-rank expand cost the qkv GEMM several times what a 16-rank
+one does; through spans most of that comes back, at W1's and W4's shapes and end to end (docs/performance.md).
 Bitwise: starts are multiples of 16, the k of one bf16 MMA instruction, so the instructions kept are those
 of the whole expand, in the same order, and those skipped add products that are all exactly zero.
 """

@@ -26,9 +26,9 @@ from policyscan.engine.settings import EngineSettings, version
 
 
 def default_threads() -> int:
-    """The CPUs this process may run on, at most 4, the most measured nowhere (on 2 cores at load 8 the sample's
-    scoring took 14.9-15.1 s on 1 thread, 15.9-17.1 s on 2: the pool's idle threads sleep, where OpenMP's spun
-    and collapsed). f is bitwise the same for any count (tests/test_cpu_threads.py)."""
+    """The CPUs this process may run on, at most 4 (more were never tried). All of them even on a busy machine:
+    the pool's idle threads sleep where OpenMP's spun and collapsed, so a second thread costs little there
+    (docs/performance.md). f is bitwise the same for any count (tests/test_cpu_threads.py)."""
     return max(1, min(usable_cpus(), 4))
 
 
@@ -79,8 +79,8 @@ class Engine:
                                          settings, run_id, compilers)
             self.decoder = load_decoder(self.checkpoint, _ops(gpu), self.precision, self.device)
             # The outputs' metadata names the model by a sha256 of its files (remembered across runs, files.py); a
-            # first run hashes them behind the attach, the compile and the scoring, not the load: with the hash
-            # beside it, W1's fresh load took 11.5 s against 6.2 s with the digest remembered.
+            # first run hashes them behind the attach, the compile and the scoring, not the load, which a hash
+            # beside it slows by most of the hash's own time (docs/performance.md).
             self._model_sha = in_background(self.checkpoint.fingerprint, "policyscan-model-sha256")
             attach_policies(self.decoder, policies, label_ids)
         except BaseException:
@@ -189,7 +189,7 @@ def check_token_ids(encoder: TextEncoder, ckpt: Checkpoint, policies: list[Polic
            "came with these weights")
     size = tok.get_vocab_size(with_added_tokens=True)
     # size tokens with distinct ids: all below `rows` exactly when ids 0..rows-1 hold `size` tokens (a vocabulary may
-    # leave ids out); 128k lookups took 0.04 s on the 2 cores here, building the vocabulary as a dict 0.09-0.16 s
+    # leave ids out); looking each id up is faster than building the vocabulary as a dict (docs/performance.md)
     if size > rows or rows - list(map(tok.id_to_token, range(rows))).count(None) < size:
         top = max(tok.get_vocab(with_added_tokens=True).values())
         raise CheckpointError(f"{where} has {size} tokens with its added tokens, ids up to {top}, {fix}")
@@ -213,10 +213,10 @@ def _check_offsets(cfg: ModelConfig, batch_tokens: int) -> None:
 def _compile_on_shapes(ckpt: Checkpoint, precision: Precision, device: torch.device, policies: list[Policy],
                        label_ids: list[tuple[int, int]], heads: list[list[int]], settings: EngineSettings,
                        run_id: str, compilers: Compilers) -> CompileJob | None:
-    """compile_ahead's dry run on a decoder of the model's shapes (weights unread, LoRA factors all 1: W1's copy
-    of its factors took 2.1 s of the fresh run before the dry run could start), its variants compiling in the
-    background while the weights load (the fresh W1 run compiled for 12.6 s after its load instead). None if that
-    decoder cannot be built: the dry run then follows the load, with the same children."""
+    """compile_ahead's dry run on a decoder of the model's shapes (weights unread, LoRA factors all 1, so that no
+    copy of the real factors delays it), its variants compiling in the background while the weights load, not
+    after the load (docs/performance.md). None if that decoder cannot be built: the dry run then follows the load,
+    with the same children."""
     try:
         shaped = shaped_decoder(ckpt, _ops(True), precision, device)
         attach_policies(shaped, policies, label_ids, factors_on(policies, device, values=False))
