@@ -30,12 +30,13 @@ from policyscan.engine.outputs.accounting import Accounting, OutputSpec, file_fa
 from policyscan.engine.outputs.run_output import Job, RunOutput, run_key, up_to_date
 from policyscan.engine.policy.bundle import Policy
 from policyscan.engine.inputs.rows import Chunk, ReadSpec
+from policyscan.engine.outputs.sinks import check_keep
 from policyscan.engine.settings import EngineSettings
 from policyscan.engine.inputs.units import plan_units
 from policyscan.engine.parallel.workers_proc import Failed
 from policyscan.ray.cluster import connect, plan_actors, probe, unwrap
 from policyscan.ray.read import ERROR, SOURCE, TEXT, pack, read_units, unpack
-from policyscan.ray.scorer import PolicyScorer
+from policyscan.ray.scorer import PolicyScorer, scorer_columns
 
 RETRIES = 3  # runs of a batch after the first, each after its actor died (Ray's default: without end)
 
@@ -79,6 +80,9 @@ def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings
                  progress: bool) -> Accounting:
     """Score `jobs` on the cluster at `address` ("": RAY_ADDRESS, else the cluster `ray start` began here, else a
     new local one; the one this process already joined, if any); returns the total accounting."""
+    # before the connect: a kept column named like one the scorer adds would be replaced by it
+    check_keep(spec.keep, spec.id_column, {**scorer_columns([p.name for p in policies], True, True, True),
+                                           **dict.fromkeys((TEXT, ERROR, SOURCE), "score --ray's readers")})
     ray, joined = connect(address)
     try:
         return _run(ray, model_dir, policies, settings, jobs, spec, out, per_input, workers, devices, progress)

@@ -21,10 +21,22 @@ from policyscan.engine.outputs.accounting import Accounting
 from policyscan.engine.run.pipeline import score_chunk, encode_chunk
 from policyscan.engine.policy.bundle import Policy, load_policies
 from policyscan.engine.inputs.rows import Chunk, ReadSpec, clip, conversation, pick_column
+from policyscan.engine.outputs.sinks import check_keep
+from policyscan.ray.read import SOURCE
 from policyscan.engine.settings import EngineSettings
 from policyscan.engine.parallel.workers_proc import Recorder
 
 _WHERE = Path("a Ray batch")  # what the column errors name in place of a file
+
+
+def scorer_columns(names: list[str], raw: bool, truncation: bool, provenance: bool) -> dict[str, str]:
+    """The columns PolicyScorer adds beside `id` and the kept ones, each with what adds it (sinks.check_keep's
+    form): a kept column of one of these names would be replaced by it."""
+    cols = {f"p_{n}": f"the probability of policy {n!r}" for n in names}
+    cols.update({f"f_{n}": "raw" for n in names if raw})
+    cols.update({f"truncated_{n}": "truncation" for n in names if truncation})
+    cols.update({c: "PolicyScorer" for c in ("prompt_tokens", "clipped", "error")})
+    return {**cols, **({"provenance": "provenance"} if provenance else {})}
 
 
 class PolicyScorer:
@@ -57,6 +69,8 @@ class PolicyScorer:
         if loaded not in (0, len(policies)):
             raise InputError("PolicyScorer: give policies as bundle paths or as Policy objects, not both")
         pols = list(policies) if loaded else load_policies(list(policies))
+        check_keep([k for k in keep if k != SOURCE], id_column,
+                   scorer_columns([p.name for p in pols], raw, truncation, provenance))
         self.spec = ReadSpec(text_column, messages_column, id_column, tuple(keep),
                              max_chars=max_chars or clip_chars(settings.max_length))
         self.path_column, self.row_column, self.error_column = path_column, row_column, error_column

@@ -212,3 +212,16 @@ def test_ray_options_go_in_any_order(inputs, tmp_path, monkeypatch, order):
 def test_the_old_ray_address_form_says_what_to_type(inputs, tmp_path):
     res = CliRunner().invoke(cli, ["score", "--ray", "HEAD:6379", str(inputs[0]), "-o", f"{tmp_path}/", *CPU])
     assert res.exit_code == 2 and "--ray-address HEAD:6379" in res.output
+
+
+@pytest.mark.parametrize("kept", ["prompt_tokens", "error", "clipped", "_policyscan_text"])
+def test_a_kept_column_named_like_a_ray_scorer_column_is_refused_before_the_connect(inputs, tmp_path, monkeypatch,
+                                                                                    kept):
+    monkeypatch.setattr(run_mod, "connect", lambda address: pytest.fail("connected"))
+    res = CliRunner().invoke(cli, ["score", str(inputs[0]), "-o", f"{tmp_path}/", *CPU, "--keep", kept, "--ray"])
+    assert res.exit_code == 2 and f"--keep {kept} collides with the output column" in res.output, res.output
+
+
+def test_policy_scorer_refuses_a_kept_column_it_would_replace():
+    with pytest.raises(Exception, match="--keep prompt_tokens collides"):
+        PolicyScorer(SAMPLE / "model", [SAMPLE / "policies"], SETTINGS, keep=["prompt_tokens"])
