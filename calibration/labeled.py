@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from policyscan.engine.errors import InputError
+from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 from policyscan.engine.run.pipeline import encode_chunk
 from policyscan.engine.run.runner import Engine
-from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
-from policyscan.engine.errors import PolicyscanError
 from policyscan.calibration.metrics import reliability
+from policyscan.engine.errors import PolicyscanError
 
 
 def require_matplotlib() -> None:

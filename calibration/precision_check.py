@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from policyscan.calibration.labeled import score_labeled
+from policyscan.engine.inputs.sources import ReadSpec
 from policyscan.engine.policy.bundle import Policy
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.inputs.sources import ReadSpec
 
 
 def fp8_check(model_dir: Path, policy: Policy, settings: EngineSettings, files: list[Path], spec: ReadSpec,

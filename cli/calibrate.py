@@ -15,13 +15,22 @@ from policyscan.calibration.platt import PlattFit, fit_platt
 from policyscan.calibration.plot import reliability_plot, require_matplotlib
 from policyscan.calibration.precision_check import fp8_check
 from policyscan.calibration.record import data_sha256, write_calibration
+from policyscan.cli.common import (
+    Share,
+    check_lengths,
+    conversation_options,
+    default_model,
+    engine_options,
+    friendly_errors,
+    input_files,
+    model_option,
+    resolve_chat_template,
+)
 from policyscan.engine.errors import InputError
+from policyscan.engine.inputs.rows import ReadSpec, clip_chars
 from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.inputs.rows import ReadSpec, clip_chars
-from policyscan.cli.common import (Share, conversation_options, check_lengths, default_model,
-                                   engine_options, friendly_errors, input_files, model_option, resolve_chat_template)
 
 MIN_PER_CLASS = 10  # fit rows of each class below which a calibration is not written without --force
 

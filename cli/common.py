@@ -12,14 +12,21 @@ from pathlib import Path
 
 import click
 
-from policyscan.engine.text.chat_template import TemplateChoiceError, choose_template, read_tokenizer_config
-from policyscan.engine.files import check_regular
 from policyscan.engine.errors import InputError, PolicyscanError
+from policyscan.engine.files import check_regular
 from policyscan.engine.inputs.jsonl import parsed_lines
-from policyscan.engine.text.content import NO_TEMPLATE
-from policyscan.engine.settings import (MAX_BATCH_TOKENS, MAX_DEVICES, MAX_LENGTH_LIMIT, MIN_TOKENS, OptionError,
-                                        check_device_name, max_threads)
 from policyscan.engine.inputs.sources import ReadSpec, expand_inputs, pick_column
+from policyscan.engine.settings import (
+    MAX_BATCH_TOKENS,
+    MAX_DEVICES,
+    MAX_LENGTH_LIMIT,
+    MIN_TOKENS,
+    OptionError,
+    check_device_name,
+    max_threads,
+)
+from policyscan.engine.text.chat_template import TemplateChoiceError, choose_template, read_tokenizer_config
+from policyscan.engine.text.content import NO_TEMPLATE
 
 # the repository's sample_data; an installed wheel ships it as the package policyscan.sample_data, the same place
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"

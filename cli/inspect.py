@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
+from policyscan.cli.common import default_model, friendly_errors, model_option
 from policyscan.engine.errors import InputError
 from policyscan.engine.outputs.sinks import read_metadata
-from policyscan.cli.common import default_model, friendly_errors, model_option
 
 BAD_LINES_SHOWN = 20
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 import signal
 import sys
 
-from policyscan.engine.warmup import compile_start
-
 from policyscan.engine.parallel import worker_start
+from policyscan.engine.warmup import compile_start
 
 # first, before the command's own imports (torch): workers fork from a server importing in parallel, and on a fresh
 # machine the kernels' compiling workers import beside them too

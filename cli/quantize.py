@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from policyscan.engine.model.quant import quantize_checkpoint
 from policyscan.cli.common import friendly_errors
+from policyscan.engine.model.quant import quantize_checkpoint
 
 
 @click.command()

@@ -12,22 +12,35 @@ import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from policyscan.engine.files import input_file_sha256, not_regular
+from policyscan.cli.common import (
+    EXIT_OK,
+    EXIT_ROW_ERRORS,
+    check_devices,
+    check_lengths,
+    conversation_options,
+    default_model,
+    default_policies,
+    engine_options,
+    friendly_errors,
+    input_files,
+    model_option,
+    preload_arrow,
+    protected_files,
+    resolve_chat_template,
+    template_arg,
+)
+from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
 from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.files import input_file_sha256, not_regular
+from policyscan.engine.inputs.rows import ReadSpec, clip_chars
 from policyscan.engine.outputs.accounting import Accounting, OutputSpec
 from policyscan.engine.outputs.run_output import run_key, up_to_date
-from policyscan.engine.run.pipeline import score_inputs
-from policyscan.engine.policy.bundle import Policy, load_policies
-from policyscan.engine.settings import MAX_DEVICES, WORKERS_PER_CPU, EngineSettings, max_workers
 from policyscan.engine.outputs.sinks import check_keep, output_columns
-from policyscan.engine.inputs.rows import ReadSpec, clip_chars
 from policyscan.engine.parallel.workers import WorkerConfig, WorkerPool, parse_devices
 from policyscan.engine.parallel.workers_run import score_inputs_workers
-from policyscan.cli.common import (EXIT_OK, EXIT_ROW_ERRORS, conversation_options, check_devices, check_lengths,
-                                   default_model, default_policies, engine_options, friendly_errors,
-                                   input_files, model_option, preload_arrow, protected_files, resolve_chat_template,
-                                   template_arg)
-from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
+from policyscan.engine.policy.bundle import Policy, load_policies
+from policyscan.engine.run.pipeline import score_inputs
+from policyscan.engine.settings import MAX_DEVICES, WORKERS_PER_CPU, EngineSettings, max_workers
 
 if TYPE_CHECKING:  # torch: imported where this process scores, so that `score --ray` never loads it
     from policyscan.engine.run.runner import Engine

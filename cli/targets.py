@@ -11,11 +11,11 @@ from pathlib import Path
 
 import click
 
+from policyscan.cli.common import check_writable_dir, refuse_overwrites
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import MISSING, not_regular
 from policyscan.engine.outputs.run_output import Job
 from policyscan.engine.outputs.sinks import is_errors_file, meta_path, read_metadata
-from policyscan.cli.common import check_writable_dir, refuse_overwrites
 
 SUFFIX_FORMATS = ((".parquet", "parquet"), (".jsonl", "jsonl"), (".jsonl.gz", "jsonl"))
 # The longest line an errors file policyscan wrote is taken to have: its reasons name keys and values of a row,

@@ -12,16 +12,16 @@ import click
 import numpy as np
 import pyarrow.parquet as pq
 
-from policyscan.engine.model.checkpoint import Checkpoint
-from policyscan.engine.files import file_sha256
+from policyscan.cli.common import check_device, friendly_errors
 from policyscan.engine.errors import InputError, PolicyscanError
-from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.files import file_sha256
+from policyscan.engine.inputs.sources import ReadSpec, read_chunks
+from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.model.precision import Precision
+from policyscan.engine.outputs.sinks import read_metadata
+from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.run.runner import Engine, resolve_device
 from policyscan.engine.settings import EngineSettings, OptionError
-from policyscan.engine.outputs.sinks import read_metadata
-from policyscan.engine.inputs.sources import ReadSpec, read_chunks
-from policyscan.cli.common import check_device, friendly_errors
 
 EXIT_DIFFERS = 4
 # verify encodes and scores its sample's conversations in memory at once: beyond this many ids it would hold an

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from policyscan.engine.text.content import Conversations
 from policyscan.engine.errors import InputError
 from policyscan.engine.inputs.rows import Chunk, PartialFileError, ReadSpec
 from policyscan.engine.inputs.units import Unit, unit_chunks
+from policyscan.engine.text.content import Conversations
 
 TEXT, ERROR, SOURCE = "_policyscan_text", "_policyscan_error", "_policyscan_source"  # beside the user's columns
 PACKED = "_policyscan_chunk"  # read_units(packed=True): a chunk's table as an Arrow IPC stream, one row a chunk

@@ -22,18 +22,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
-from policyscan.engine.text.chat_template import choose_template, read_tokenizer_config
-from policyscan.engine.text.content import ContentGuard, Conversations
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import input_file_sha256
+from policyscan.engine.inputs.rows import Chunk, ReadSpec
+from policyscan.engine.inputs.units import plan_units
 from policyscan.engine.outputs.accounting import Accounting, OutputSpec, file_failure, row_error
 from policyscan.engine.outputs.run_output import Job, RunOutput, run_key, up_to_date
-from policyscan.engine.policy.bundle import Policy
-from policyscan.engine.inputs.rows import Chunk, ReadSpec
 from policyscan.engine.outputs.sinks import check_keep
-from policyscan.engine.settings import EngineSettings
-from policyscan.engine.inputs.units import plan_units
 from policyscan.engine.parallel.workers_proc import Failed
+from policyscan.engine.policy.bundle import Policy
+from policyscan.engine.settings import EngineSettings
+from policyscan.engine.text.chat_template import choose_template, read_tokenizer_config
+from policyscan.engine.text.content import ContentGuard, Conversations
 from policyscan.ray.cluster import connect, plan_actors, probe, unwrap
 from policyscan.ray.read import ERROR, SOURCE, TEXT, pack, read_units, unpack
 from policyscan.ray.scorer import PolicyScorer, scorer_columns

@@ -15,16 +15,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from policyscan.engine.inputs.rows import clip_chars
 from policyscan.engine.errors import InputError
+from policyscan.engine.inputs.rows import Chunk, ReadSpec, clip, clip_chars, conversation, pick_column
 from policyscan.engine.outputs.accounting import Accounting
-from policyscan.engine.run.pipeline import score_chunk, encode_chunk
-from policyscan.engine.policy.bundle import Policy, load_policies
-from policyscan.engine.inputs.rows import Chunk, ReadSpec, clip, conversation, pick_column
 from policyscan.engine.outputs.sinks import check_keep
-from policyscan.ray.read import SOURCE
-from policyscan.engine.settings import EngineSettings
 from policyscan.engine.parallel.workers_proc import Recorder
+from policyscan.engine.policy.bundle import Policy, load_policies
+from policyscan.engine.run.pipeline import encode_chunk, score_chunk
+from policyscan.engine.settings import EngineSettings
+from policyscan.ray.read import SOURCE
 
 _WHERE = Path("a Ray batch")  # what the column errors name in place of a file
 

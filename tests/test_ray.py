@@ -110,7 +110,8 @@ def test_score_on_ray_with_an_actor_killed_writes_the_local_outputs_bit_for_bit_
     # again, from a driver process that cannot import torch: two outputs up to date, the third scored again
     (out / "ints.scores.parquet").unlink()
     res = subprocess.run([sys.executable, "-c", NO_TORCH, "score", *map(str, inputs), "-o", f"{out}/", *CPU, "--ray",
-                          "--ray-address", ray.get_runtime_context().gcs_address], capture_output=True, text=True, timeout=600)
+                          "--ray-address", ray.get_runtime_context().gcs_address], capture_output=True, text=True,
+                         timeout=600)
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("up to date") == 2 and "rows in 6 = scored 6 + in errors 0 (balanced)" in res.stdout
     assert pq.read_table(out / "ints.scores.parquet").equals(pq.read_table(local / "ints.scores.parquet"))

@@ -1,5 +1,6 @@
-"""engine/policy/tensor_file.py: an adapter's factors read without torch are bitwise safetensors' own tensors as float32,
-in every float dtype PEFT may save, at odd shapes and offsets; a damaged file is refused with its name and why."""
+"""engine/policy/tensor_file.py: an adapter's factors read without torch are bitwise safetensors' own tensors as
+float32, in every float dtype PEFT may save, at odd shapes and offsets; a damaged file is refused with its name and
+why."""
 from __future__ import annotations
 
 import json

@@ -16,8 +16,17 @@ import pyarrow as pa
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.files import open_regular
-from policyscan.engine.inputs.rows import (Chunk, PartialFileError, ReadSpec, as_str, clip, conversation, pick_column,
-                                    printable, surrogate)
+from policyscan.engine.inputs.rows import (
+    Chunk,
+    PartialFileError,
+    ReadSpec,
+    as_str,
+    clip,
+    conversation,
+    pick_column,
+    printable,
+    surrogate,
+)
 
 _BAD_BYTE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a byte that is not UTF-8
 Parsed = tuple[int, dict | None, str | None]  # (line number, the object, or why the line is not one)

@@ -13,13 +13,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# the CLI finds its inputs through this module
-from policyscan.engine.inputs.discover import SUFFIXES, expand_inputs  # noqa: F401
 from policyscan.engine.errors import InputError
 from policyscan.engine.files import check_regular
+
+# the CLI finds its inputs through this module
+from policyscan.engine.inputs.discover import SUFFIXES, expand_inputs  # noqa: F401
 from policyscan.engine.inputs.jsonl import read_jsonl
+
 # public here: the readers' types
-from policyscan.engine.inputs.rows import Chunk, PartialFileError, ReadSpec, clip, conversation, pick_column  # noqa: F401
+from policyscan.engine.inputs.rows import (Chunk, PartialFileError, ReadSpec, clip, conversation,  # noqa: F401
+                                           pick_column)
 
 Lost = tuple[int, str]  # rows of a row group that could not be read, and why
 

@@ -1,9 +1,9 @@
-"""Units of work for the worker processes (engine/parallel/workers.py) and the Ray pipeline (policyscan.ray): a slice of a
-Parquet row group, a range of whole lines of a JSONL file, or a whole file.
+"""Units of work for the worker processes (engine/parallel/workers.py) and the Ray pipeline (policyscan.ray): a slice of
+a Parquet row group, a range of whole lines of a JSONL file, or a whole file.
 
-A unit's rows come out as the single-process reader (sources.read_chunks) gives them: the same ids (file:row
-counted from the file's first row, file:line for JSONL), the same error rows and reasons, a damaged row group's
-lost rows included. Only where chunks begin differs, and no score depends on that (the engine is batch-invariant)."""
+A unit's rows come out as the single-process reader (sources.read_chunks) gives them: the same ids (file:row counted
+from the file's first row, file:line for JSONL), the same error rows and reasons, a damaged row group's lost rows
+included. Only where chunks begin differs, and no score depends on that (the engine is batch-invariant)."""
 from __future__ import annotations
 
 import re
@@ -16,9 +16,7 @@ import pyarrow as pa
 from policyscan.engine.errors import InputError
 from policyscan.engine.inputs.jsonl import first_column, read_jsonl_range
 from policyscan.engine.inputs.rows import Chunk, ReadSpec
-from policyscan.engine.inputs.sources import (Lost, ParquetLayout, lost_rows, layout_chunk, parquet_layout,
-                                      read_chunks)
-
+from policyscan.engine.inputs.sources import Lost, ParquetLayout, layout_chunk, lost_rows, parquet_layout, read_chunks
 
 # A unit's rows at most: small enough that a large row group is shared out between devices and that its results
 # wait in the parent's reorder buffer in little memory, large enough that handing it out costs nothing beside it.

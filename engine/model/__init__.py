@@ -1,1 +1,2 @@
-"""The model: config and checkpoint checked against each other, precision decided once, the weights streamed to the device and the decoder built."""
+"""The model: config and checkpoint checked against each other, precision decided once, the weights streamed to the
+device and the decoder built."""

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from policyscan.engine.model.config import PROJECTIONS, ModelConfig, read_config
 from policyscan.engine.errors import CheckpointError
 from policyscan.engine.files import cached_sha256
 from policyscan.engine.json_schema import INDEX, load
+from policyscan.engine.model.config import PROJECTIONS, ModelConfig, read_config
 
 PICKLE_NAMES = ("pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 # besides the weights: what shapes the prompt (tokenizer, chat template) or the tensors' meaning (config)

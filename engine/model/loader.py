@@ -5,15 +5,15 @@ from types import ModuleType
 
 import torch
 
+from policyscan.engine.errors import PolicyError
 from policyscan.engine.model.checkpoint import Checkpoint, weight_name
 from policyscan.engine.model.config import ModelConfig
-from policyscan.engine.errors import PolicyError
 from policyscan.engine.model.layers import DenseLoraLinear, Fp8LoraLinear, LoraStack, Prologue
 from policyscan.engine.model.model import Decoder, DecoderLayer
-from policyscan.engine.policy.bundle import Policy, check_policy
 from policyscan.engine.model.precision import Precision
 from policyscan.engine.model.quant import dequantize_weight, quantize_weight
 from policyscan.engine.model.read_ahead import ReadAhead, checkpoint_spans
+from policyscan.engine.policy.bundle import Policy, check_policy
 from policyscan.kernels.reference import interleave_halves
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),

@@ -7,10 +7,10 @@ from types import ModuleType
 
 import torch
 
-from policyscan.engine.run.batch import PackedBatch, pack
 from policyscan.engine.model.config import ModelConfig, inv_freq
 from policyscan.engine.model.layers import DenseLoraLinear
 from policyscan.engine.model.precision import Precision
+from policyscan.engine.run.batch import PackedBatch, pack
 from policyscan.kernels.reference import AttnShape, PrefixKV, RopeCols, rope_tables
 
 

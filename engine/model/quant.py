@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from policyscan.kernels.reference import FP8, FP8_MAX
+from policyscan.engine.errors import CheckpointError
 from policyscan.engine.model.checkpoint import Checkpoint, weight_name
 from policyscan.engine.model.config import PROJECTIONS
-from policyscan.engine.errors import CheckpointError
+from policyscan.kernels.reference import FP8, FP8_MAX
 
 # What llm-compressor writes for its FP8_DYNAMIC scheme, so vLLM and others load our output too.
 FP8_DYNAMIC_CONFIG = {

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.errors import CheckpointError
+from policyscan.engine.model.checkpoint import Checkpoint
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,

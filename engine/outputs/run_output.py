@@ -18,8 +18,14 @@ from policyscan.engine.errors import InputError
 from policyscan.engine.files import changed_since_hashed, input_file_sha256
 from policyscan.engine.inputs.rows import ReadSpec
 from policyscan.engine.outputs.accounting import Accounting, FileFailure, OutputSpec, file_failure
-from policyscan.engine.outputs.sinks import (ErrorWriter, ScoreWriter, commit_together, meta_path, read_metadata,
-                                             remove_leftovers)
+from policyscan.engine.outputs.sinks import (
+    ErrorWriter,
+    ScoreWriter,
+    commit_together,
+    meta_path,
+    read_metadata,
+    remove_leftovers,
+)
 
 
 class Scorer(Protocol):

@@ -16,11 +16,11 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from policyscan.engine.errors import PolicyError, PolicyscanError
-from policyscan.engine.policy.bundle import Policy, fingerprint
-from policyscan.engine.settings import EngineSettings
 from policyscan.engine.inputs.units import Unit
 from policyscan.engine.parallel.worker_start import context
 from policyscan.engine.parallel.workers_proc import worker_main
+from policyscan.engine.policy.bundle import Policy, fingerprint
+from policyscan.engine.settings import EngineSettings
 
 DEPTH = 2     # units a worker holds: the one it scores and the next, which its reader thread reads meanwhile
 RESTARTS = 2  # times a device's worker is started again after it died (an OOM is often a one-off)

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from policyscan.engine.errors import InputError, PolicyscanError
+from policyscan.engine.inputs.rows import PartialFileError
 from policyscan.engine.outputs.accounting import Accounting, FileFailure, StrictStop
 from policyscan.engine.outputs.run_output import hash_ids
-from policyscan.engine.run.pipeline import prefetch, score_chunk, unit_items
-from policyscan.engine.inputs.rows import PartialFileError
-from policyscan.engine.policy.bundle import fingerprint, load_policies
 from policyscan.engine.parallel.worker_start import apply_env
+from policyscan.engine.policy.bundle import fingerprint, load_policies
+from policyscan.engine.run.pipeline import prefetch, score_chunk, unit_items
 
 if TYPE_CHECKING:  # torch: imported where the worker starts, so that the Ray driver can take Failed without it
     from policyscan.engine.run.runner import Engine

@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from policyscan.engine.errors import InputError
-from policyscan.engine.outputs.accounting import Accounting, FileFailure, OutputSpec, StrictStop, file_failure
-from policyscan.engine.outputs.run_output import Job, RunOutput
 from policyscan.engine.inputs.rows import ReadSpec
 from policyscan.engine.inputs.units import UNIT_BYTES, UNIT_ROWS, LineRange, Unit, plan_units, range_lines
+from policyscan.engine.outputs.accounting import Accounting, FileFailure, OutputSpec, StrictStop, file_failure
+from policyscan.engine.outputs.run_output import Job, RunOutput
 from policyscan.engine.parallel.workers import DEPTH, Event, Worker, WorkerPool
 from policyscan.engine.parallel.workers_proc import Failed, Scored, Stopped
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from policyscan.engine.files import cached_sha256
-from policyscan.engine.model.config import PROJECTIONS, ModelConfig
 from policyscan.engine.errors import PolicyError
+from policyscan.engine.files import cached_sha256
 from policyscan.engine.json_schema import ADAPTER_CONFIG, POLICY, load
+from policyscan.engine.model.config import PROJECTIONS, ModelConfig
 from policyscan.engine.policy.tensor_file import TensorFile
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")

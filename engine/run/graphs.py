@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from policyscan.engine.run.batch import PackedBatch
 from policyscan.engine.model.model import Decoder, PrefixCache
+from policyscan.engine.run.batch import PackedBatch
 
 
 def _bucket(n: int, least: int) -> int:

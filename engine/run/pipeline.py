@@ -15,8 +15,7 @@ import pyarrow as pa
 from policyscan.engine.errors import InputError
 from policyscan.engine.inputs.sources import Chunk, ReadSpec, read_chunks
 from policyscan.engine.inputs.units import Unit, unit_chunks
-from policyscan.engine.outputs.accounting import (Accounting, FileFailure, OutputSpec, file_failure,
-                                                  row_error)
+from policyscan.engine.outputs.accounting import Accounting, FileFailure, OutputSpec, file_failure, row_error
 from policyscan.engine.outputs.run_output import Job, RunOutput
 from policyscan.engine.outputs.sinks import ErrorWriter, ScoreWriter
 

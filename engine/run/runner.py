@@ -8,21 +8,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from policyscan.engine.run.batch import pack, plan_batches
-from policyscan.engine.model.checkpoint import Checkpoint
-from policyscan.engine.warmup import compile_start
-from policyscan.engine.warmup.compile_ahead import CompileJob, CompileReport, compile_ahead, start_compilers, variants_id
-from policyscan.engine.warmup.compile_procs import Compilers, usable_cpus
-from policyscan.engine.files import in_background
-from policyscan.engine.model.config import ModelConfig
 from policyscan.engine.errors import CheckpointError, PolicyscanError
-from policyscan.engine.run.graphs import GraphedForward
+from policyscan.engine.files import in_background
+from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.model.config import ModelConfig
 from policyscan.engine.model.loader import attach_policies, factors_on, load_decoder, shaped_decoder
 from policyscan.engine.model.model import Decoder
-from policyscan.engine.policy.bundle import Policy
 from policyscan.engine.model.precision import Precision, decide_precision
-from policyscan.engine.text.prompts import PromptBuilder, TextEncoder
+from policyscan.engine.policy.bundle import Policy
+from policyscan.engine.run.batch import pack, plan_batches
+from policyscan.engine.run.graphs import GraphedForward
 from policyscan.engine.settings import EngineSettings, version
+from policyscan.engine.text.prompts import PromptBuilder, TextEncoder
+from policyscan.engine.warmup import compile_start
+from policyscan.engine.warmup.compile_ahead import (
+    CompileJob,
+    CompileReport,
+    compile_ahead,
+    start_compilers,
+    variants_id,
+)
+from policyscan.engine.warmup.compile_procs import Compilers, usable_cpus
 
 
 def default_threads() -> int:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from policyscan.engine.text.chat_template import ChatTemplate
 from policyscan.engine.errors import InputError
+from policyscan.engine.text.chat_template import ChatTemplate
 
 ESC = "\ufdd0"  # before a special-token string of content: it is text
 BRK = "\ufdd1"  # a seam break: nothing matches across it
@@ -99,10 +99,6 @@ class ContentGuard:
         """Content marked as `mark` does, each special-token string replaced by U+FFFD (see check_markup)."""
         return self.mark(text if self._find is None else self._find.sub(STAND_IN, text))
 
-    def holds_special(self, text: str) -> bool:
-        """Whether content holds a special-token string."""
-        return self._find is not None and self._find.search(text) is not None
-
     def needs_reading(self, text: str) -> bool:
         """Whether `text` holds marks (else its special-token strings are all control, as tokenizers reads them)."""
         return ESC in text or BRK in text
@@ -160,8 +156,9 @@ class Conversations:
             return self.guard.escape(value) if self.text_is_rendered else self.guard.mark(value)
         if self.template is None:  # the CLI refuses this before scoring; a row error for other callers
             raise InputError(f"{NO_TEMPLATE}; pass --chat-template plain for 'role: content' lines")
-        text = self.template.render([self._each(m, self.guard.mark) for m in value])
-        if any(self.guard.holds_special(v) for m in value for v in m.values() if isinstance(v, str)):
+        marked = [self._each(m, self.guard.mark) for m in value]
+        text = self.template.render(marked)
+        if any(ESC in v for m in marked for v in m.values() if isinstance(v, str)):  # a special string was marked
             self.guard.check_markup(text, self.template.render([self._each(m, self.guard.stand_in) for m in value]))
         return text
 

@@ -18,11 +18,16 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from policyscan.engine.text.chat_template import (ChatTemplate, choose_template, config_templates, read_tokenizer_config,
-                                             token_str)
-from policyscan.engine.text.content import ContentGuard, Conversations
 from policyscan.engine.errors import CheckpointError, PolicyError
 from policyscan.engine.policy.bundle import Policy
+from policyscan.engine.text.chat_template import (
+    ChatTemplate,
+    choose_template,
+    config_templates,
+    read_tokenizer_config,
+    token_str,
+)
+from policyscan.engine.text.content import ContentGuard, Conversations
 
 # What a piece after the prefix is encoded behind: text no vocabulary holds (a private-use character, which
 # falls back to bytes or <unk>), so nothing merges across it; a newline did merge with a suffix's leading "\n".

@@ -1,22 +1,21 @@
 """Compile a run's GPU kernel variants in parallel before its first batch.
 
-Triton compiles a kernel variant the first time a process launches it, one after another inside the first
-batches: on a fresh machine W1 spent 28 s more than a warm run compiling, and an 8-row file compiled the
-small-batch variants again. Here a dry run of the decoder (the prefixes' prefill, one eager batch per
-specialization class, each CUDA-graph bucket) launches nothing: every Triton launch runs as a warm-up, and
-Triton's jit_cache_hook records each variant this process has not loaded yet and skips its compile. A run not
-compiled before starts child processes first (start_compilers; on a fresh machine the command line started them,
-engine/warmup/compile_start.py), dry-runs a decoder of the model's shapes with its weights unread (loader.shaped_decoder:
-shapes, dtypes and strides decide the variants, values do not), handing each variant to the children as it meets
-it, and the children compile them into Triton's disk cache (engine/warmup/compile_procs.py) during the dry run and
-while the weights load (CompileJob); the real batches then load the kernels from disk. Anything failing on the
-way (no child process, a read-only cache) only leaves those kernels to compile at launch. The dry run computes
-nothing that is kept, and a variant it missed compiles when first launched, as before: what a run computes does
-not change, only when kernels compile.
+Triton compiles a kernel variant the first time a process launches it, one after another inside the first batches: on a
+fresh machine W1 spent 28 s more than a warm run compiling, and an 8-row file compiled the small-batch variants again.
+Here a dry run of the decoder (the prefixes' prefill, one eager batch per specialization class, each CUDA-graph bucket)
+launches nothing: every Triton launch runs as a warm-up, and Triton's jit_cache_hook records each variant this process
+has not loaded yet and skips its compile. A run not compiled before starts child processes first (start_compilers; on a
+fresh machine the command line started them, engine/warmup/compile_start.py), dry-runs a decoder of the model's shapes
+with its weights unread (loader.shaped_decoder: shapes, dtypes and strides decide the variants, values do not), handing
+each variant to the children as it meets it, and the children compile them into Triton's disk cache
+(engine/warmup/compile_procs.py) during the dry run and while the weights load (CompileJob); the real batches then load
+the kernels from disk. Anything failing on the way (no child process, a read-only cache) only leaves those kernels to
+compile at launch. The dry run computes nothing that is kept, and a variant it missed compiles when first launched, as
+before: what a run computes does not change, only when kernels compile.
 
-A marker per variant beside Triton's cache (policyscan_variants/) says it compiled there, so a warm machine
-starts no child process, and a manifest per run configuration lists its variants, so a repeated nightly run
-skips the dry run too (1.6 s at W1); wiping Triton's cache wipes both with it."""
+A marker per variant beside Triton's cache (policyscan_variants/) says it compiled there, so a warm machine starts no
+child process, and a manifest per run configuration lists its variants, so a repeated nightly run skips the dry run too
+(1.6 s at W1); wiping Triton's cache wipes both with it."""
 from __future__ import annotations
 
 import hashlib
@@ -32,12 +31,11 @@ from pathlib import Path
 
 import torch
 
+from policyscan.engine.files import in_background
+from policyscan.engine.model.model import Decoder
+from policyscan.engine.run.graphs import GraphedForward, static_batch
 from policyscan.engine.warmup import compile_start
 from policyscan.engine.warmup.compile_procs import KERNEL_MODULES, MAX_WORKERS, Compilers, usable_cpus
-from policyscan.engine.files import in_background
-from policyscan.engine.run.graphs import GraphedForward, static_batch
-from policyscan.engine.model.model import Decoder
-
 
 # Seconds from a variant's hand-out to its answer on the H200 machine, on average per kernel (bench/startup_phases.py,
 # W1 fresh, 16 workers beside the load): of the variants waiting for a worker, the slowest go first

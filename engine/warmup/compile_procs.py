@@ -1,14 +1,13 @@
 """Compile Triton kernel variants in child processes, into Triton's disk cache (engine/warmup/compile_ahead.py).
 
 One plain subprocess (`python -m policyscan.engine.warmup.compile_procs`), not a multiprocessing pool: it never imports
-the caller's __main__ (a library user's unguarded script would run again), and a daemonic process (a scoring
-worker, engine/parallel/workers.py) may start it, where it may not start a pool. It imports the kernels' modules once and
-then forks the compiling workers, which share that import: 16 children each importing torch and Triton took
-9-14 s beside W1's model load on the H200 machine (bench/startup_phases.py), the fork a few milliseconds.
-Nothing in it touches CUDA before the fork (the kernels' modules do not at import), so each worker may. A worker
-takes one variant at a time from the caller as a JSON line on its own pipe and answers with a JSON string, "ok"
-or the error, so the slowest variants do not wait behind each other. POSIX only (fork), as Triton's GPU path
-is."""
+the caller's __main__ (a library user's unguarded script would run again), and a daemonic process (a scoring worker,
+engine/parallel/workers.py) may start it, where it may not start a pool. It imports the kernels' modules once and then
+forks the compiling workers, which share that import: 16 children each importing torch and Triton took 9-14 s beside
+W1's model load on the H200 machine (bench/startup_phases.py), the fork a few milliseconds. Nothing in it touches CUDA
+before the fork (the kernels' modules do not at import), so each worker may. A worker takes one variant at a time from
+the caller as a JSON line on its own pipe and answers with a JSON string, "ok" or the error, so the slowest variants do
+not wait behind each other. POSIX only (fork), as Triton's GPU path is."""
 from __future__ import annotations
 
 import importlib
@@ -21,7 +20,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-
 
 KERNEL_MODULES = ("policyscan.kernels.triton_ops",)  # what the compiling process imports ahead: every kernel's module
 MAX_WORKERS = 16  # compiling workers at most (and no more than the CPUs)

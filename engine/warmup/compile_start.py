@@ -1,13 +1,12 @@
 """The compiling workers (engine/warmup/compile_procs.py) started as the command line begins, on a fresh machine.
 
-A fresh machine's run compiles its kernels while its model loads (engine/warmup/compile_ahead.py), in workers forked from
-one process that imports torch, Triton and the kernels first. Started by the engine, that process began importing
-2.4-2.9 s into W1's run, after the command line's own import of the same modules had taken 2.1-2.8 s, so its
-workers could take no variant much before 5 s, while the dry run hands them out from its first batch on. Started
-here, before the command line imports torch, it imports beside it, and the engine takes it over
-(compile_ahead.start_compilers). Only where the run will compile on a GPU of this process: score or calibrate,
-not on the CPU, Ray or the worker path (each worker starts its own), and a Triton cache that holds no policyscan
-variant yet; a warm machine starts nothing.
+A fresh machine's run compiles its kernels while its model loads (engine/warmup/compile_ahead.py), in workers forked
+from one process that imports torch, Triton and the kernels first. Started by the engine, that process began importing
+2.4-2.9 s into W1's run, after the command line's own import of the same modules had taken 2.1-2.8 s, so its workers
+could take no variant much before 5 s, while the dry run hands them out from its first batch on. Started here, before
+the command line imports torch, it imports beside it, and the engine takes it over (compile_ahead.start_compilers). Only
+where the run will compile on a GPU of this process: score or calibrate, not on the CPU, Ray or the worker path (each
+worker starts its own), and a Triton cache that holds no policyscan variant yet; a warm machine starts nothing.
 
 Only the standard library here: the command line imports this before torch."""
 from __future__ import annotations
@@ -16,8 +15,8 @@ import atexit
 import os
 from pathlib import Path
 
-from policyscan.engine.warmup.compile_procs import KERNEL_MODULES, MAX_WORKERS, Compilers, usable_cpus
 from policyscan.engine.parallel.worker_start import gpus, option, reimported, will_run_workers, will_score
+from policyscan.engine.warmup.compile_procs import KERNEL_MODULES, MAX_WORKERS, Compilers, usable_cpus
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # the driver's list of GPUs (Linux)
 _STARTED: list[Compilers] = []  # the process's early compilers, until the engine takes them (take)
