@@ -78,7 +78,7 @@ def test_missing_tensor(built, tmp_path):
 def test_corrupt_safetensors(built, tmp_path):
     d = copy(built, "model", tmp_path)
     (d / "model.safetensors").write_bytes(b"\x00\x01garbage")
-    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
+    with pytest.raises(CheckpointError, match="model.safetensors: not a safetensors file"):
         Checkpoint.open(d)
 
 

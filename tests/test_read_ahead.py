@@ -9,13 +9,13 @@ import threading
 
 import pytest
 import torch
+from hf_fixtures import make_model
 from safetensors.torch import save_file
 
+from policyscan.engine.errors import CheckpointError
 from policyscan.engine.model import read_ahead
 from policyscan.engine.model.checkpoint import Checkpoint
-from policyscan.engine.errors import CheckpointError
 from policyscan.engine.model.read_ahead import ReadAhead, stream_order
-from hf_fixtures import make_model
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -81,9 +81,21 @@ def test_dtypes_sizes_and_names_outside_the_stream(tmp_path, monkeypatch):
             assert torch.equal(_bits(reader.get(name)), _bits(tensors[name])), name
 
 
-def test_a_file_cut_short_after_opening_is_an_error_naming_it(tmp_path):
+def test_a_file_cut_short_before_the_stream_is_refused_by_its_header(tmp_path):
     make_model(tmp_path, "llama")
     ckpt = Checkpoint.open(tmp_path)
+    path = tmp_path / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match="model.safetensors: its tensors need .* truncated"):
+        ReadAhead(ckpt, torch.device("cpu"))
+
+
+def test_a_file_cut_short_after_its_header_was_read_is_an_error_naming_it(tmp_path, monkeypatch):
+    make_model(tmp_path, "llama")
+    ckpt = Checkpoint.open(tmp_path)
+    layout = read_ahead.checkpoint_spans(ckpt)  # the header as read before the file was cut
+    monkeypatch.setattr(read_ahead, "checkpoint_spans", lambda _: layout)
     path = tmp_path / "model.safetensors"
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 100)
@@ -110,7 +122,7 @@ def test_a_header_whose_sizes_disagree_is_refused(tmp_path):
     header["model.layers.0.w"]["shape"] = [4, 5]
     body = json.dumps(header, separators=(",", ":")).encode().ljust(n)
     (tmp_path / "model.safetensors").write_bytes(raw[:8] + body + raw[8 + n:])
-    with pytest.raises(CheckpointError, match="holds 64 bytes, not its shape's"):
+    with pytest.raises(CheckpointError, match="do not hold its shape"):
         read_ahead.spans(tmp_path / "model.safetensors")
 
 
@@ -152,9 +164,10 @@ def test_the_shaped_decoders_lora_stacks_decide_the_same_variants(tmp_path, spec
     """The dry run's decoder gets its LoRA stacks from factors of 1 (factors_on(values=False)): every stack's
     shape, dtype and stride and every rank span (which picks the GEMM's expand width) are the real ones'."""
     from hf_fixtures import WIDE_SPECS, make_bundle
+
     from policyscan.engine.model.loader import attach_policies, factors_on, load_decoder, shaped_decoder
-    from policyscan.engine.policy.bundle import load_policies
     from policyscan.engine.model.precision import Precision
+    from policyscan.engine.policy.bundle import load_policies
     from policyscan.kernels import reference
 
     # q, k and v 256, 128 and 128 wide: their rank blocks fall in separate 128-column blocks of the qkv stack

@@ -12,12 +12,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from cli_cases import SAMPLE
 from safetensors.torch import load_file, save_file
 
-from cli_cases import SAMPLE
 from policyscan.engine.errors import PolicyError
 from policyscan.engine.policy.bundle import load_policy
-from policyscan.engine.policy.tensor_file import _UNTRACKED, TensorFile
+from policyscan.engine.policy.tensor_file import UNTRACKED, TensorFile
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 DEEP = b'{"t": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -136,7 +136,7 @@ def test_a_tensor_that_is_no_float_factor_matrix_is_refused(tmp_path, tensor, na
         load_policy(pol)
 
 
-@pytest.mark.skipif(_UNTRACKED, reason="Python 3.13+ maps without keeping a descriptor")
+@pytest.mark.skipif(UNTRACKED, reason="Python 3.13+ maps without keeping a descriptor")
 def test_running_out_of_file_descriptors_says_which_limit(tmp_path):
     """Each mapping keeps a descriptor before Python 3.13: past the limit, the error names it, not errno 24."""
     for k in range(4):

@@ -14,6 +14,7 @@ from policyscan.engine.errors import CheckpointError
 from policyscan.engine.files import cached_sha256
 from policyscan.engine.json_schema import INDEX, load
 from policyscan.engine.model.config import PROJECTIONS, ModelConfig, read_config
+from policyscan.engine.tensor_header import open_header
 
 PICKLE_NAMES = ("pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 # besides the weights: what shapes the prompt (tokenizer, chat template) or the tensors' meaning (config)
@@ -111,12 +112,7 @@ def _tensor_files(model_dir: Path) -> tuple[dict[str, Path], dict[str, tuple[str
         files = {}
     layout: dict[str, tuple[str, tuple[int, ...]]] = {}
     for path in shards:
-        try:
-            with safe_open(path, framework="pt") as f:
-                slices = {name: f.get_slice(name) for name in f.keys()}
-                held = {name: (sl.get_dtype(), tuple(sl.get_shape())) for name, sl in slices.items()}
-        except Exception as e:  # safetensors raises its own error types for a bad header
-            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+        held = {name: (t.dtype, t.shape) for name, t in open_header(path, CheckpointError).tensors.items()}
         if index.is_file():
             mine = [name for name, p in files.items() if p == path]
             lost = [name for name in mine if name not in held]

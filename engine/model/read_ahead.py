@@ -8,19 +8,18 @@ asks: layer by layer, then the final norm and the embeddings, so that a tensor w
 rest of its layer arrived; a name outside the stream is read as before (Checkpoint.get)."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
-from math import prod
 from pathlib import Path
 
 import torch
 
 from policyscan.engine.errors import CheckpointError
 from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.tensor_header import open_header
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
@@ -42,20 +41,10 @@ class Span:
 
 
 def spans(path: Path) -> dict[str, Span]:
-    """Where each tensor of a safetensors file lies (its header), for the dtypes torch reads."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__" or meta.get("dtype") not in DTYPES:
-            continue
-        dtype, (lo, hi) = DTYPES[meta["dtype"]], meta["data_offsets"]
-        if hi - lo != prod(meta["shape"]) * dtype.itemsize:
-            raise CheckpointError(f"{path}: tensor {name!r} holds {hi - lo} bytes, not its shape's; the file is "
-                                  "damaged")
-        out[name] = Span(name, path, 8 + n + lo, hi - lo, dtype, tuple(meta["shape"]))
-    return out
+    """Where each tensor of a safetensors file lies (its checked header), for the dtypes torch reads."""
+    header = open_header(path, CheckpointError)
+    return {name: Span(name, path, header.data_start + t.begin, t.end - t.begin, DTYPES[t.dtype], t.shape)
+            for name, t in header.tensors.items() if t.dtype in DTYPES}
 
 
 def checkpoint_spans(ckpt: Checkpoint) -> dict[str, Span]:
