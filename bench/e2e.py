@@ -27,7 +27,7 @@ SAMPLE = HERE.parent / "sample_data"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(SAMPLE))
 from synth import conversations  # noqa: E402
-from workloads import WORKLOADS, hf_peft_model, lengths, shape  # noqa: E402
+from workloads import WORKLOADS, hf_peft_model, shape, workload_lengths  # noqa: E402
 
 from policyscan.engine.inputs.rows import clip_chars  # noqa: E402
 from policyscan.engine.run.pipeline import encoded_inputs  # noqa: E402
@@ -64,7 +64,7 @@ def write_input(root: Path, name: str, tokenizer) -> Path:
     corpus = "".join(m["content"] + "\n" for c in conversations(4000, seed=5) for m in c["messages"])
     ids = tokenizer.encode(corpus, add_special_tokens=False).ids
     texts, off = [], 0
-    for n in lengths(WORKLOADS[name].conversations).tolist():
+    for n in workload_lengths(WORKLOADS[name]).tolist():
         n -= 3  # the chat template's role tag and newline
         if off + n > len(ids):
             off = 0
@@ -80,7 +80,8 @@ def write_input(root: Path, name: str, tokenizer) -> Path:
 def engine_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
     """Token ids in, f out: the file read and tokenized as the CLI does it (timed alone: a one-chunk file's rows
     wait for it), then the conversations scored twice (warm-up, then timed)."""
-    engine = Engine(root / "model", load_policies([root / "bundles"]), EngineSettings(device=device))
+    settings = EngineSettings(device=device, max_length=WORKLOADS[src.stem].max_length)
+    engine = Engine(root / "model", load_policies([root / "bundles"]), settings)
     t0 = time.perf_counter()
     chunks = list(encoded_inputs(engine, [src], ReadSpec(max_chars=clip_chars(engine.settings.max_length))))
     print(f"reading and tokenizing {src.name} alone ({len(chunks)} chunk(s)): {time.perf_counter() - t0:.3f} s",
@@ -101,7 +102,8 @@ def cli_figure(root: Path, src: Path, device: str) -> tuple[int, float, float]:
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "policyscan.cli.main", "score", str(src), "-o", str(out),
                           "--model", str(root / "model"), "--policies", str(root / "bundles"),
-                          "--device", device, "--no-progress"], capture_output=True, text=True)
+                          "--device", device, "--max-length", str(WORKLOADS[src.stem].max_length), "--no-progress"],
+                         capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise SystemExit(f"policyscan score failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")

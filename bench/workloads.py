@@ -26,6 +26,8 @@ def shape(name: str) -> ModelConfig:
         return ModelConfig("llama", 3072, 8192, 28, 24, 8, 128, 128256, 1e-5, LLAMA3_ROPE, True)
     if name == "1b":
         return ModelConfig("llama", 2048, 8192, 16, 32, 8, 64, 128256, 1e-5, LLAMA3_ROPE, True)
+    if name == "8b":  # Llama 3.1 8B's shape (its embeddings tied here: the head reads two rows either way)
+        return ModelConfig("llama", 4096, 14336, 32, 32, 8, 128, 128256, 1e-5, LLAMA3_ROPE, True)
     raise ValueError(name)
 
 
@@ -36,24 +38,37 @@ class Workload:
     adapters: int
     conversations: int
     prefix: int = 0
+    median: int = 250   # conversation lengths in tokens: lognormal with this median and sigma, clipped to
+    sigma: float = 0.8  # 16..longest
+    longest: int = 2048
+
+    @property
+    def max_length(self) -> int:
+        """The --max-length that truncates no prompt of the workload (the policy's prefix and suffix added)."""
+        return max(2048, self.longest + 256)
 
 
 WORKLOADS = {"T1": Workload("T1", "tiny", 3, 8), "T2": Workload("T2", "tiny", 3, 8, 16),
              "W1": Workload("W1", "3b", 8, 256), "W2": Workload("W2", "3b", 8, 256, 256),
-             "W3": Workload("W3", "3b", 64, 64), "W4": Workload("W4", "1b", 8, 256)}
+             "W3": Workload("W3", "3b", 64, 64), "W4": Workload("W4", "1b", 8, 256),
+             "W5": Workload("W5", "8b", 4, 128, median=1500, sigma=0.95, longest=8192)}
 
 
-def lengths(n: int, seed: int = 0) -> np.ndarray:
-    """Lognormal conversation lengths: median 250, sigma 0.8, clipped to 16..2048 (mean about 364)."""
+def lengths(n: int, seed: int = 0, median: int = 250, sigma: float = 0.8, longest: int = 2048) -> np.ndarray:
+    """Lognormal conversation lengths, seeded; W1's: median 250, sigma 0.8, clipped to 16..2048 (mean about 364)."""
     rng = np.random.default_rng(seed)
-    return np.clip(np.round(rng.lognormal(np.log(250), 0.8, n)), 16, 2048).astype(np.int64)
+    return np.clip(np.round(rng.lognormal(np.log(median), sigma, n)), 16, longest).astype(np.int64)
+
+
+def workload_lengths(w: Workload, seed: int = 0) -> np.ndarray:
+    return lengths(w.conversations, seed, w.median, w.sigma, w.longest)
 
 
 def prompts(w: Workload, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """Every conversation under every adapter: (token ids without the policy prefix, adapter index) pairs,
     and each adapter's prefix (empty without one)."""
     rng = np.random.default_rng(seed + 1)
-    convs = [rng.integers(0, vocab, int(n)).tolist() for n in lengths(w.conversations, seed)]
+    convs = [rng.integers(0, vocab, int(n)).tolist() for n in workload_lengths(w, seed)]
     prefixes = [rng.integers(0, vocab, w.prefix).tolist() for _ in range(w.adapters)]
     seqs, ads = [], []
     for c in convs:
