@@ -16,69 +16,103 @@ from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 from policyscan.engine.run.pipeline import encode_chunk
 from policyscan.engine.run.runner import Engine
 
+POLICY_COLUMN = "policy"  # in labeled data: the policy a row's label is for (the long layout)
+
 
 @dataclass(frozen=True)
 class Labeled:
-    """Rows in input order: id, f (float64) and the label as the file holds it; `column` names the labels."""
+    """Rows in input order: id, f (float64) and the label as the file holds it; `column` names the labels. `score`
+    says what `f` holds: "f" (the verdict's logit difference) or "p" (a probability read from scores)."""
 
     ids: list
     f: np.ndarray
     labels: list
     column: str
+    score: str = "f"
 
     def __post_init__(self) -> None:
         if not len(self.ids) == len(self.f) == len(self.labels):
             raise ValueError(f"{len(self.ids)} ids, {len(self.f)} f values and {len(self.labels)} labels")
+        if self.score not in ("f", "p"):
+            raise ValueError(f"score {self.score!r}: 'f' or 'p'")
 
 
 def score_labeled(engine: Engine, files: list[Path], spec: ReadSpec, label_column: str | None) -> Labeled:
     """f of every labeled row under the engine's (first) policy, in bounded memory: each chunk is read, encoded
     and scored as `score` does it (batch invariance: the same f as any other batching). Every labeled row must
     be scored: one that cannot be stops calibrate, naming its file and row."""
-    ids, f, labels, column = [], [], [], label_column or "label"
+    return score_labeled_policies(engine, files, spec, label_column)[0]
+
+
+def score_labeled_policies(engine: Engine, files: list[Path], spec: ReadSpec, label_column: str | None) -> list[Labeled]:
+    """score_labeled for every policy of the engine in one pass: each policy reads its own label column (the one
+    given, else `label`, else the policy's name). A file with a `policy` column holds labels per (conversation,
+    policy), as `report --review` writes them: each policy keeps only the rows that name it."""
+    names = [p.name for p in engine.policies]
+    ids: list[list] = [[] for _ in names]
+    f: list[list[np.ndarray]] = [[] for _ in names]
+    labels: list[list] = [[] for _ in names]
+    columns = [label_column or "label"] * len(names)
     for path in files:
-        column = label_column or guess_label_column(path, engine.policies[0].name)
-        for chunk in read_chunks(path, dataclasses.replace(spec, keep=(column,)), engine.encoder.render):
+        columns = [label_column or guess_label_column(path, n) for n in names]
+        by_policy = POLICY_COLUMN in column_names(path) and POLICY_COLUMN not in columns
+        keep = tuple(dict.fromkeys(columns + [POLICY_COLUMN] * by_policy))
+        for chunk in read_chunks(path, dataclasses.replace(spec, keep=keep), engine.encoder.render):
             chunk, convs = encode_chunk(engine, chunk)
             for i, reason in enumerate(chunk.errors):
                 if reason is not None:
                     raise InputError(f"{path}, row {chunk.first_row + i}: {reason}; fix the labeled data")
-            f.append(engine.score_conversations(convs)[0][:, 0].astype(np.float64))
-            ids += chunk.ids.to_pylist()
-            labels += chunk.keep[column].to_pylist()
-    return Labeled(ids, np.concatenate(f) if f else np.zeros(0), labels, column)
+            scores = engine.score_conversations(convs)[0].astype(np.float64)
+            chunk_ids = chunk.ids.to_pylist()
+            owner = chunk.keep[POLICY_COLUMN].to_pylist() if by_policy else None
+            for j, (name, column) in enumerate(zip(names, columns)):
+                rows = np.arange(len(chunk_ids)) if owner is None else \
+                    np.array([k for k, o in enumerate(owner) if o == name], dtype=np.int64)
+                values = chunk.keep[column].to_pylist()
+                f[j].append(scores[rows, j])
+                ids[j] += [chunk_ids[k] for k in rows]
+                labels[j] += [values[k] for k in rows]
+    return [Labeled(ids[j], np.concatenate(f[j]) if f[j] else np.zeros(0), labels[j], columns[j])
+            for j in range(len(names))]
+
+
+def column_names(path: Path) -> list[str]:
+    """A labeled file's columns: a Parquet schema's names, a JSONL file's first line's keys."""
+    import pyarrow.parquet as pq
+
+    if path.name.endswith(".parquet"):
+        return pq.ParquetFile(path).schema_arrow.names
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        return list(json.loads(fh.readline()))
 
 
 def guess_label_column(path: Path, policy_name: str) -> str:
     """`label`, else the policy's name, among the file's columns (a JSONL file's first line)."""
-    import pyarrow.parquet as pq
-
-    if path.name.endswith(".parquet"):
-        names = pq.ParquetFile(path).schema_arrow.names
-    else:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as fh:
-            names = list(json.loads(fh.readline()))
+    names = column_names(path)
     for guess in ("label", policy_name):
         if guess in names:
             return guess
     raise InputError(f"{path}: no label column ('label' or {policy_name!r}) among {names}; pass --label-column")
 
 
-def read_scores(files: list[Path], name: str, label_column: str | None) -> Labeled:
-    """id, f_<name> and the labels from `score --raw --keep LABEL` outputs (wide or long layout)."""
+def read_scores(files: list[Path], name: str, label_column: str | None, prefixes: tuple[str, ...] = ("f",)) -> Labeled:
+    """id, the scores and the labels from `score --raw --keep LABEL` outputs (wide or long layout): the first of
+    `prefixes` the files hold (f_<name>, or p_<name> for "p"; f, p in the long layout)."""
     import polars as pl
 
     col = label_column or "label"
     frames = [pl.read_parquet(p) if p.name.endswith(".parquet") else pl.read_ndjson(p) for p in files]
     df = pl.concat(frames, how="diagonal_relaxed")
-    if "policy" in df.columns and "f" in df.columns:  # --layout long
-        df = df.filter(pl.col("policy") == name).rename({"f": f"f_{name}"})
-    for need in ("id", f"f_{name}", col):
+    if POLICY_COLUMN in df.columns and any(k in df.columns for k in prefixes):  # --layout long
+        df = df.filter(pl.col(POLICY_COLUMN) == name).rename({k: f"{k}_{name}" for k in prefixes if k in df.columns})
+    prefix = next((k for k in prefixes if f"{k}_{name}" in df.columns), prefixes[0])
+    for need in ("id", f"{prefix}_{name}", col):
         if need not in df.columns:
             raise InputError(f"{files[0]}: no column {need!r} among {df.columns}; score with --raw "
                              f"--keep {col} to make calibration input")
-    return Labeled(df["id"].to_list(), df[f"f_{name}"].cast(pl.Float64).to_numpy(), df[col].to_list(), col)
+    return Labeled(df["id"].to_list(), df[f"{prefix}_{name}"].cast(pl.Float64).to_numpy(), df[col].to_list(), col,
+                   prefix)
 
 
 @dataclass(frozen=True)

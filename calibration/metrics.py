@@ -52,3 +52,37 @@ def summary(p: np.ndarray, y: np.ndarray) -> dict[str, float | None]:
     metrics = {"log_loss": log_loss(p, y), "brier": brier(p, y), "ece": ece(p, y), "roc_auc": roc_auc(p, y)}
     return {**{k: v if np.isfinite(v) else None for k, v in metrics.items()},
             "rows": int(len(y)), "positives": int(np.sum(y))}
+
+
+def ranked_counts(score: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(thresholds, tps, fps): at each distinct score, from the highest down, the positives and negatives at or
+    above it (scikit-learn's binary curve: flagged means score >= threshold)."""
+    score, y = np.asarray(score, dtype=np.float64), np.asarray(y).astype(bool)
+    order = np.argsort(-score, kind="mergesort")
+    s, hits = score[order], y[order]
+    last = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1] if len(s) else np.zeros(0, dtype=int)
+    tps = np.cumsum(hits)[last]
+    return s[last], tps, last + 1 - tps
+
+
+def average_precision(score: np.ndarray, y: np.ndarray) -> float:
+    """PR AUC as scikit-learn's average_precision_score: sum over thresholds of (R_k - R_k-1) * P_k; NaN without
+    positives (recall is undefined)."""
+    _, tps, fps = ranked_counts(score, y)
+    if not len(tps) or tps[-1] == 0:
+        return float("nan")
+    recall = np.r_[0.0, tps / tps[-1]]
+    return float(np.sum(np.diff(recall) * tps / (tps + fps)))
+
+
+def roc_points(score: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(false-positive rate, true-positive rate, threshold) from (0, 0) to (1, 1), as scikit-learn's roc_curve
+    with drop_intermediate=False; needs both classes."""
+    t, tps, fps = ranked_counts(score, y)
+    return np.r_[0.0, fps / fps[-1]], np.r_[0.0, tps / tps[-1]], np.r_[np.inf, t]
+
+
+def pr_points(score: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(recall, precision, threshold) from the highest threshold down; needs positives."""
+    t, tps, fps = ranked_counts(score, y)
+    return tps / tps[-1], tps / (tps + fps), t

@@ -1,5 +1,5 @@
-"""A fitted calibration recorded in its policy's policy.json: renamed into place whole (sinks' commit), never half
-written, never NaN."""
+"""A fitted calibration, or a chosen threshold, recorded in its policy's policy.json: renamed into place whole
+(sinks' commit), never half written, never NaN."""
 from __future__ import annotations
 
 import hashlib
@@ -20,18 +20,36 @@ def write_calibration(bundle: Path, fit: PlattFit, provenance: dict) -> Path:
     """policy.json's `calibration` replaced by a, b, the method and `provenance`; the other keys kept."""
     if not np.isfinite([fit.a, fit.b]).all():
         raise PolicyscanError("calibration produced non-finite parameters; policy.json left unchanged")
+    return update_policy_json(bundle, {"calibration": {"a": fit.a, "b": fit.b, "method": METHOD, **provenance}})
+
+
+def write_threshold(bundle: Path, threshold: float, choice: dict) -> Path:
+    """policy.json's `threshold` set, and `threshold_choice` (how it was chosen: target, data, achieved figures)
+    replaced; the other keys kept."""
+    if not 0.0 < threshold < 1.0:
+        raise PolicyscanError(f"threshold {threshold} is outside (0, 1); policy.json left unchanged")
+    return update_policy_json(bundle, {"threshold": threshold, "threshold_choice": choice})
+
+
+def update_policy_json(bundle: Path, keys: dict) -> Path:
+    """policy.json with `keys` set, written whole under a temporary name and renamed into place (sinks' commit)."""
     path = bundle / "policy.json"
     meta = json.loads(path.read_text())
-    meta["calibration"] = {"a": fit.a, "b": fit.b, "method": METHOD, **provenance}
+    meta.update(keys)
     text = json.dumps(meta, indent=2, allow_nan=False) + "\n"  # NaN is not JSON: never written
+    write_atomic(path, text)
+    return path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path`: a reader sees the old file or the new one, never half of one."""
     remove_leftovers([path])
     tmp = temp_path(path)
     try:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
         commit_together([(tmp, path)], [])
     finally:
         tmp.unlink(missing_ok=True)
-    return path
 
 
 def data_sha256(files: list[Path]) -> str:
