@@ -20,7 +20,9 @@ from policyscan.engine.settings import version  # noqa: E402
 
 # each command's module imported only when it runs: `score --ray` plans and writes without torch (1.2-1.5 s)
 COMMANDS = {"score": "score:score", "calibrate": "calibrate:calibrate", "quantize": "quantize:quantize",
-            "inspect": "inspect:inspect_cmd", "verify": "verify:verify"}
+            "inspect": "inspect:inspect_cmd", "verify": "verify:verify",
+            "report": "report:report",
+            "evaluate": "evaluate:evaluate"}
 
 
 class _Commands(click.Group):
