@@ -97,13 +97,14 @@ def guess_label_column(path: Path, policy_name: str) -> str:
 
 
 def read_scores(files: list[Path], name: str, label_column: str | None, prefixes: tuple[str, ...] = ("f",)) -> Labeled:
-    """id, the scores and the labels from `score --raw --keep LABEL` outputs (wide or long layout): the first of
-    `prefixes` the files hold (f_<name>, or p_<name> for "p"; f, p in the long layout)."""
+    """id, the scores and the labels (`label`, else the policy's name) from `score --raw --keep LABEL` outputs (wide
+    or long layout): the first of `prefixes` the files hold (f_<name>, or p_<name> for "p"; f, p in the long
+    layout)."""
     import polars as pl
 
-    col = label_column or "label"
     frames = [pl.read_parquet(p) if p.name.endswith(".parquet") else pl.read_ndjson(p) for p in files]
     df = pl.concat(frames, how="diagonal_relaxed")
+    col = label_column or ("label" if "label" in df.columns or name not in df.columns else name)
     if POLICY_COLUMN in df.columns and any(k in df.columns for k in prefixes):  # --layout long
         df = df.filter(pl.col(POLICY_COLUMN) == name).rename({k: f"{k}_{name}" for k in prefixes if k in df.columns})
     prefix = next((k for k in prefixes if f"{k}_{name}" in df.columns), prefixes[0])

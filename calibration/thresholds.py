@@ -88,9 +88,11 @@ class Choice:
 
 
 def choose(p: np.ndarray, y: np.ndarray, target: Target) -> Choice:
-    """Among the rows' own p values as thresholds: for a recall target the highest threshold that reaches it (the
-    fewest flags), for a precision target the lowest (the most recall), for max_f1 the best F1 (the highest
-    threshold among ties). The threshold stays inside (0, 1), as policy.json requires."""
+    """Among the rows' own p values as cut points: for a recall target the highest that reaches it (the fewest
+    flags), for a precision target the lowest (the most recall), for max_f1 the best F1 (the highest among ties).
+    The threshold is placed midway between that p and the next lower p of the rows, which flags the same rows
+    here, so a conversation scored a hair below the cut point is not lost on new data; it stays inside (0, 1), as
+    policy.json requires."""
     y = np.asarray(y).astype(bool)
     t, tps, fps = ranked_counts(p, y)
     pos = int(y.sum())
@@ -107,5 +109,8 @@ def choose(p: np.ndarray, y: np.ndarray, target: Target) -> Choice:
         k = int(ok[-1])
     else:
         k = int(np.argmax(2 * tps / (tps + fps + pos)))
-    threshold = float(np.clip(t[k], np.nextafter(0.0, 1.0), np.nextafter(1.0, 0.0)))
+    below = t[k + 1] if k + 1 < len(t) else 0.0
+    threshold = float(np.clip((t[k] + below) / 2.0, np.nextafter(0.0, 1.0), np.nextafter(1.0, 0.0)))
+    if threshold > t[k] or (k + 1 < len(t) and threshold <= below):  # no float between them: the cut point itself
+        threshold = float(t[k])
     return Choice(target, threshold, at_threshold(p, y, threshold))
