@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from policyscan.engine.warmup import compile_ahead as ca
+from policyscan.engine.warmup import compile_procs
 from policyscan.engine.warmup.compile_procs import Compilers
 
 HERE = Path(__file__).resolve().parent
@@ -24,7 +25,7 @@ def fake(monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_OUT", str(out))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(ca, "_marker_dir", lambda: marks)
-    monkeypatch.setattr(ca, "KERNEL_MODULES", ("fake_kernels",))
+    monkeypatch.setattr(compile_procs, "KERNEL_MODULES", ("fake_kernels",))
     runs = []
 
     def dry_run(decoder, heads, shapes, offer):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from policyscan.engine.warmup import compile_ahead as ca
+from policyscan.engine.parallel import worker_start
 from policyscan.engine.warmup import compile_start
 from policyscan.engine.warmup.compile_procs import Compilers
 
@@ -24,7 +25,7 @@ def one_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     driver = tmp_path / "driver_gpus"
     driver.mkdir()
-    monkeypatch.setattr(compile_start, "NVIDIA_GPUS", driver)
+    monkeypatch.setattr(worker_start, "NVIDIA_GPUS", driver)
     env = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
     return env, tmp_path / "triton" / "policyscan_variants"
 
@@ -43,9 +44,9 @@ def test_only_runs_that_will_compile_on_a_fresh_gpu_machine_start_early(one_gpu,
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert not will(["score", "x"], env)  # no GPU
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    monkeypatch.setattr(compile_start, "NVIDIA_GPUS", marks.parent / "no_driver")
+    monkeypatch.setattr(worker_start, "NVIDIA_GPUS", marks.parent / "no_driver")
     assert not will(["score", "x"], env)  # CUDA_VISIBLE_DEVICES without a driver: a CPU machine
-    monkeypatch.setattr(compile_start, "NVIDIA_GPUS", marks.parent.parent / "driver_gpus")
+    monkeypatch.setattr(worker_start, "NVIDIA_GPUS", marks.parent.parent / "driver_gpus")
     marks.mkdir(parents=True)
     assert not will(["score", "x"], env)  # this machine compiled a run before: maybe this one
     home = {"TRITON_HOME": str(marks.parent)}
@@ -83,7 +84,8 @@ def test_early_workers_the_run_never_takes_end_with_the_process(monkeypatch, tmp
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     code = ("import pathlib, sys; from policyscan.engine.warmup import compile_start as c; "
-            f"c.KERNEL_MODULES, c.NVIDIA_GPUS = ('fake_kernels',), pathlib.Path({str(tmp_path)!r}); "
+            "from policyscan.engine.parallel import worker_start as w; from policyscan.engine.warmup import "
+            f"compile_procs as p; p.KERNEL_MODULES, w.NVIDIA_GPUS = ('fake_kernels',), pathlib.Path({str(tmp_path)!r}); "
             "c.prestart(['score', 'missing.parquet']); print(c._STARTED[0].process.pid, flush=True); sys.exit(2)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr

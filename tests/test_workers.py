@@ -127,9 +127,10 @@ def test_devices_are_all_a_count_or_indices():
         WorkerConfig(SAMPLE / "model", (), EngineSettings("cuda:1"), ("0", "1"))
 
 
-def test_the_fork_server_starts_early_only_for_runs_with_workers(monkeypatch):
+def test_the_fork_server_starts_early_only_for_runs_with_workers(monkeypatch, tmp_path):
     from policyscan.engine.parallel import worker_start
 
+    monkeypatch.setattr(worker_start, "NVIDIA_GPUS", tmp_path)  # a driver is present
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     will = worker_start.will_run_workers
     assert will(["score", "x.parquet"]) and will(["score", "x", "--devices", "0,1"]) and will(["score", "--workers=3"])
@@ -142,6 +143,9 @@ def test_the_fork_server_starts_early_only_for_runs_with_workers(monkeypatch):
     assert will(["score", "x", "--device", "cpu", "--workers=1", "--workers", "4"])  # the last counts, as in click
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert not will(["score", "x.parquet"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(worker_start, "NVIDIA_GPUS", tmp_path / "no_driver")
+    assert not will(["score", "x.parquet"])  # CUDA_VISIBLE_DEVICES without a driver: a CPU machine
 
 
 def test_a_worker_that_read_other_policies_than_this_process_stops_the_run(tmp_path):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 PRELOAD = ["policyscan.engine.parallel.workers_proc", "policyscan.engine.run.runner"]
 
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # the driver's list of GPUs (Linux)
+
 
 def context():
     """The start method for workers: the fork server on Linux, else spawn (forking after torch and Accelerate or
@@ -85,9 +87,11 @@ def will_run_workers(argv: list[str]) -> bool:
 
 
 def gpus() -> int:
-    """GPUs this process may see, without importing torch: CUDA_VISIBLE_DEVICES, else the NVIDIA driver's list."""
+    """GPUs this process may see, without importing torch: none without an NVIDIA driver (a CUDA_VISIBLE_DEVICES
+    alone proves no GPU), else CUDA_VISIBLE_DEVICES's count, else the driver's list."""
+    if not (sys.platform.startswith("linux") and NVIDIA_GPUS.is_dir()):
+        return 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip()])
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return sum(1 for _ in gpus.iterdir()) if sys.platform.startswith("linux") and gpus.is_dir() else 0
+    return sum(1 for _ in NVIDIA_GPUS.iterdir())

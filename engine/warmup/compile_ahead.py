@@ -35,7 +35,7 @@ from policyscan.engine.files import in_background
 from policyscan.engine.model.model import Decoder
 from policyscan.engine.run.graphs import GraphedForward, static_batch
 from policyscan.engine.warmup import compile_start
-from policyscan.engine.warmup.compile_procs import KERNEL_MODULES, MAX_WORKERS, Compilers, usable_cpus
+from policyscan.engine.warmup.compile_procs import Compilers
 
 # Seconds from a variant's hand-out to its answer on the H200 machine, on average per kernel (bench/startup_phases.py,
 # W1 fresh, 16 workers beside the load): of the variants waiting for a worker, the slowest go first
@@ -103,7 +103,7 @@ def start_compilers(run_id: str) -> Compilers | None:
         if early is not None:
             early.kill()
         return None
-    return early or Compilers(min(MAX_WORKERS, usable_cpus()), KERNEL_MODULES)
+    return early or Compilers.for_kernels()
 
 
 class CompileJob:
@@ -192,7 +192,7 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
         if compilers is not None:
             compilers.kill()
         return CompileJob(run_id, None, t0, cached=len(known))
-    job = CompileJob(run_id, compilers or Compilers(min(MAX_WORKERS, usable_cpus()), KERNEL_MODULES), t0)
+    job = CompileJob(run_id, compilers or Compilers.for_kernels(), t0)
     variants = None
     try:
         variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs), job.offer)

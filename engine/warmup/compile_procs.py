@@ -50,6 +50,11 @@ class Compilers:
     variants, close() (or the end of a with block) ends them. Nothing raises: workers that cannot start or die
     leave their variants uncompiled, with the reason. `seconds`: each variant's compile as its worker answered."""
 
+    @classmethod
+    def for_kernels(cls) -> "Compilers":
+        """The kernels' pool: a worker per usable CPU, MAX_WORKERS at most, importing KERNEL_MODULES."""
+        return cls(min(MAX_WORKERS, usable_cpus()), KERNEL_MODULES)
+
     def __init__(self, workers: int, modules: tuple[str, ...] = ()):
         self.workers: list[Worker] = []
         self.error: str | None = None

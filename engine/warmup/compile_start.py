@@ -16,9 +16,8 @@ import os
 from pathlib import Path
 
 from policyscan.engine.parallel.worker_start import gpus, option, reimported, will_run_workers, will_score
-from policyscan.engine.warmup.compile_procs import KERNEL_MODULES, MAX_WORKERS, Compilers, usable_cpus
+from policyscan.engine.warmup.compile_procs import Compilers
 
-NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # the driver's list of GPUs (Linux)
 _STARTED: list[Compilers] = []  # the process's early compilers, until the engine takes them (take)
 
 
@@ -27,7 +26,7 @@ def prestart(argv: list[str]) -> None:
     if reimported():
         return  # a worker re-importing the command line as its parent's main module
     if will_compile(argv, os.environ):
-        _STARTED.append(Compilers(min(MAX_WORKERS, usable_cpus()), KERNEL_MODULES))
+        _STARTED.append(Compilers.for_kernels())
         atexit.register(end)  # a run that ends before its engine starts (a bad argument, say) leaves none behind
 
 
@@ -37,12 +36,12 @@ def take() -> Compilers | None:
 
 
 def will_compile(argv: list[str], env: os._Environ | dict[str, str]) -> bool:
-    """score or calibrate on a GPU of this process (not --from-scores: no model), an NVIDIA driver present (a
-    CUDA_VISIBLE_DEVICES alone proves no GPU), and a Triton cache with no policyscan variant."""
+    """score or calibrate on a GPU of this process (not --from-scores: no model) and a Triton cache with no
+    policyscan variant."""
     device = option(argv, "--device", "auto")
     return (will_score(argv, ("score", "calibrate")) and "--from-scores" not in argv
             and (device in ("auto", "cuda") or device.startswith("cuda:"))
-            and not (argv[0] == "score" and will_run_workers(argv)) and NVIDIA_GPUS.is_dir() and gpus() > 0
+            and not (argv[0] == "score" and will_run_workers(argv)) and gpus() > 0
             and not (triton_cache(env) / "policyscan_variants").exists())
 
 
