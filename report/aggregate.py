@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from policyscan.report.batches import Batch, batches
+from policyscan.report.batches import BATCH_ROWS, Batch, batches
 from policyscan.report.errors import ErrorSummary, errors_file
 from policyscan.report.kept import Kept, Row, mix
 from policyscan.report.outputs import ScoredOutput
 from policyscan.report.timeline import Timeline, hours
 
 BINS = 50  # histogram bins of p over [0, 1]
-STRATA = 10  # equal-width bins of p a stratified review sample draws from equally
+STRATA = 10  # equal-width bins of p a stratified review sample draws from in turn
 ACCOUNTED = ("rows_in", "rows_scored", "rows_in_errors", "files_in_errors", "prompt_tokens", "truncated_prompts",
              "clipped_conversations", "duplicate_ids")
 
@@ -69,12 +69,15 @@ class Summary:
     errors: ErrorSummary = field(default_factory=ErrorSummary)
 
 
-def summarize(outputs: list[ScoredOutput], time_column: str | None, sel: Selection) -> Summary:
-    """One pass over every output's rows (outputs already checked together: one model, one set of policies)."""
+def summarize(outputs: list[ScoredOutput], time_column: str | None, sel: Selection,
+              batch_rows: int = BATCH_ROWS) -> Summary:
+    """One pass over every output's rows, `batch_rows` at a time (outputs already checked together: one model, one
+    set of policies). The figures do not depend on the batch size."""
     first = outputs[0]
     k = len(first.policies)
     near_limit = max(sel.top, sel.review if sel.review_by == "nearest" else 0)
-    per_stratum = -(-sel.review // STRATA) if sel.review_by == "stratified" else 0
+    # every stratum keeps enough rows to fill the sample alone: strata without rows leave their share to others
+    per_stratum = sel.review if sel.review_by == "stratified" else 0
     pols = [PolicyFigures(n, t, top=Kept(sel.top), near=Kept(near_limit),
                           sample=[Kept(per_stratum) for _ in range(STRATA)] if per_stratum else [])
             for n, t in zip(first.policies, first.thresholds)]
@@ -83,7 +86,7 @@ def summarize(outputs: list[ScoredOutput], time_column: str | None, sel: Selecti
     thresholds = np.array(first.thresholds)
     for o, out in enumerate(outputs):
         row0 = 0
-        for b in batches(out, time_column):
+        for b in batches(out, time_column, batch_rows):
             _add(s, b, o, row0, thresholds, time_column, out)
             row0 += len(b.ids)
         s.rows_per_output.append(row0)

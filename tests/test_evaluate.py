@@ -9,10 +9,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_cases import SAMPLE, run
 from click.testing import CliRunner
 from sklearn import metrics as skm
 
-from cli_cases import SAMPLE, run
 from policyscan.cli.main import cli
 from policyscan.engine.policy.bundle import load_policy
 
