@@ -45,10 +45,9 @@ def default_policies() -> tuple[str, ...]:
 def preload_arrow() -> None:
     """Start pyarrow's one-time setup in a thread while the policies load: pyarrow imports pandas (when it is
     installed) on the first array it builds from Python or numpy objects, which was the first chunk's write,
-    0.28-0.42 s inside the scoring window of W1's E2E run on the device; and the
-    writer's first `take` imports pyarrow.compute (0.07 s on the 2-core CPU machine). Not beside the model load:
-    an import holds the GIL, which each of the load's GPU calls must take back: a profile of W1's load showed 3 s in
-    them while pandas compiled (on a machine without bytecode caches)."""
+    inside the scoring window; and the writer's first `take` imports pyarrow.compute. Not beside the model load:
+    an import holds the GIL, which each of the load's GPU calls must take back, and they waited seconds for it
+    while pandas compiled on a machine without bytecode caches (docs/performance.md)."""
     threading.Thread(target=_first_arrays, name="policyscan-preload-arrow", daemon=True).start()
 
 

@@ -18,7 +18,8 @@ import click  # noqa: E402
 
 from policyscan.engine.settings import version  # noqa: E402
 
-# each command's module imported only when it runs: `score --ray` plans and writes without torch (1.2-1.5 s)
+# each command's module imported only when it runs: `score --ray` plans and writes without torch's import
+# (docs/performance.md)
 COMMANDS = {"score": "score:score", "calibrate": "calibrate:calibrate", "quantize": "quantize:quantize",
             "inspect": "inspect:inspect_cmd", "verify": "verify:verify",
             "report": "report:report",

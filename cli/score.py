@@ -120,7 +120,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     progress = not no_progress and _is_terminal()
     slots = None if ray_address is not None else _worker_devices(device, devices, workers)
     # the workers load the model while this process reads the policies and checks the inputs (done first, they
-    # delayed W1's one-GPU worker by 0.55 s); pool.expect checks that the workers read the same policies
+    # delayed the workers: docs/performance.md); pool.expect checks that the workers read the same policies
     with WorkerPool(WorkerConfig(model_dir, bundles, settings, slots)) if slots else contextlib.nullcontext() as pool:
         pols = load_policies(list(bundles))
         check_keep(keep, id_column, output_columns([p.name for p in pols], layout, raw, flagged, truncation))

@@ -125,9 +125,9 @@ def _identity(st: os.stat_result, path: Path) -> str:
 
 def cached_sha256(path: Path, fresh: bool = False) -> str:
     """file_sha256, remembered per file identity (path, size, mtime, ctime, inode, device) in this process and
-    on disk under cache_dir(): W1's 6.4 GB checkpoint took 5.8 s of an 18 s run to hash again each night. A
-    changed file changes its ctime, which no user call can set back. fresh: read the file whatever is remembered
-    (`verify`), and remember the result."""
+    on disk under cache_dir(): hashing a checkpoint of several GB again was a third of a nightly run
+    (docs/performance.md). A changed file changes its ctime, which no user call can set back. fresh: read the file
+    whatever is remembered (`verify`), and remember the result."""
     before = path.stat()
     key = hashlib.sha256(_identity(before, path).encode()).hexdigest()
     root = cache_dir()

@@ -74,8 +74,8 @@ def check_device_name(value: str) -> str:
 class EngineSettings:
     device: str = "auto"
     precision: str = "auto"
-    # 65536: W1 +1.6%, W4 +1.8% against 32768 (fewer, fuller batches); 131072 within 0.1% (docs/performance.md).
-    # About 2.5 GB of activations at W1's shape.
+    # 65536: fewer, fuller batches ran faster than 32768's and 131072's no faster; the activations take a few GB
+    # at a 3B model's shape (docs/performance.md).
     batch_tokens: int = 65536
     max_length: int = 2048
     prefix_cache: bool = True  # results are bitwise the same either way; off only to measure it

@@ -87,7 +87,7 @@ def score_on_ray(address: str, model_dir: Path, policies: list[Policy], settings
     try:
         return _run(ray, model_dir, policies, settings, jobs, spec, out, per_input, workers, devices, progress)
     finally:
-        if joined:  # left to exit, Ray's own shutdown took 1.4-1.5 s of a run on a CPU, 0.3 s here
+        if joined:  # now: left to the exit, Ray's own shutdown took several times as long (docs/performance.md)
             ray.shutdown()
 
 

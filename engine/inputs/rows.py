@@ -128,5 +128,5 @@ def clip(texts: list[str | None], limit: int) -> int:
 def clip_chars(max_length: int) -> int:
     """Conversations longer than this many characters keep only their tail before tokenizing: 64 characters
     a token is far more than byte-level BPE ever averages, so the tokens kept after left truncation are the
-    same, and a 1 GB row costs no more than a long one."""
+    same, and a row of any size costs no more than one of that length."""
     return max(64 * max_length, 65536)

@@ -1,9 +1,9 @@
 """How worker processes start (engine/parallel/workers.py): forked from a fork server that imported the engine once.
 
-A spawned worker imports torch and the engine itself, after the parent has done the same: W1's one-GPU worker run
-took 1.67-1.70x the in-process wall time, most of it that second import (4 s on the H200 machine) and the model
-load after it. A fork server started when the command line begins imports the engine while the parent does, and
-each worker is forked from it ready to load the model. The server never touches CUDA, so a forked worker starts
+A spawned worker imports torch and the engine itself, after the parent has done the same: a one-GPU worker run took
+far longer than the same run in-process, most of it that second import and the model load after it
+(docs/performance.md). A fork server started when the command line begins imports the engine while the parent does,
+and each worker is forked from it ready to load the model. The server never touches CUDA, so a forked worker starts
 clean as a spawned one; it takes the parent's environment at its start (apply_env), not the server's, though
 what libraries read once at import (OMP_NUM_THREADS, say) keeps the values from when the server started: the
 command line changes none in between, but a long-lived library process that does keeps the server's.

@@ -30,9 +30,9 @@ STOP_SECONDS = 10.0  # a clean stop waits this long for a worker to exit before 
 @dataclass(frozen=True)
 class WorkerConfig:
     """What every worker loads, and the devices: one worker each ("cpu", or a CUDA device's index). `policies`:
-    bundles or folders of them, as load_policies takes them; each worker reads them itself (W1's 8 adapters are
-    780 MB in fp32, too much to pickle through a pipe to every worker), and WorkerPool.expect checks that it read
-    what the parent did."""
+    bundles or folders of them, as load_policies takes them; each worker reads them itself (a run's adapters
+    can be hundreds of MB in fp32, too much to pickle through a pipe to every worker: docs/performance.md), and
+    WorkerPool.expect checks that it read what the parent did."""
 
     model_dir: Path
     policies: tuple[str | Path, ...]

@@ -137,10 +137,10 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
 
 def _finite(t: np.ndarray, w_path: Path, name: str) -> np.ndarray:
     """NaN or Inf in a factor would make every score of the policy NaN (written as p = 0): refused at load. The
-    sum is NaN or Inf whenever an element is (it may also overflow, then each element is looked at): W1's 3136
-    factors took 0.47 s to check element by element, most of its policies' load. The sum is numpy's, in this
-    thread: torch's spread each factor over its whole thread pool, and beside another process doing the same (a
-    GPU worker reading the bundles as its parent does) W1's 3136 sums took 24 s on the H200 machine's 16 cores."""
+    sum is NaN or Inf whenever an element is (it may also overflow, then each element is looked at): a check
+    element by element was most of the policies' load. The sum is numpy's, in this thread: torch's spread each
+    factor over its whole thread pool, and beside another process doing the same (a GPU worker reading the bundles
+    as its parent does) the sums took many times as long (docs/performance.md)."""
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow only sends it to the element check
         if np.isfinite(t.sum()):
             return t

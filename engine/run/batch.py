@@ -55,8 +55,8 @@ def pack(seqs: list[list[int]] | list[torch.Tensor], adapters: list[int]) -> Pac
     if (lens <= 0).any():
         raise ValueError("every sequence needs at least one token")
     if all(isinstance(s, list) for s in seqs):
-        # one pass over the ints: W1's first batch (616 lists, 65k ids) 11 -> 2 ms on the host, which is time
-        # before the GPU's first kernel of a run (torch.as_tensor per list, then cat)
+        # one pass over the ints, several times faster on the host than torch.as_tensor per list then cat: it is
+        # time before the GPU's first kernel of a run (docs/performance.md)
         ids = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lens.sum())))
     else:
         ids = torch.cat([torch.as_tensor(s, dtype=torch.int64) for s in seqs])

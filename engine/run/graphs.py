@@ -6,11 +6,11 @@ holding the spare tokens (adapter -1: no LoRA) and empty sequences the spare slo
 depends only on T' and B' (the attention kernel walks a device-side work list), and rows never depend on
 the rest of the batch, so a replayed batch gives bitwise what the eager forward gives (tests/test_gpu_engine).
 
-Why only small batches: a forward launches ~10 kernels per layer (280 at W1's 28 layers), each with host
-work (the GEMM builds two TMA descriptors per launch); a 16k-token batch keeps the GPU busy ~100 ms, which
-hides that (W1: 4.60 s of GPU time in 4.63 s of wall time), but a batch of a few thousand tokens or
-fewer (the tail of every file a cron job scores) runs in about the time its launches take: W4 in
-2048-token batches ran 2.04x faster replayed than eager. Padding costs at most 2x
+Why only small batches: a forward launches about ten kernels per layer, each with host work (the GEMM
+builds two TMA descriptors per launch); a batch of many thousand tokens keeps the GPU busy long enough to
+hide that (a large run's GPU time is nearly all of its wall time), but a batch of a few thousand tokens or
+fewer (the tail of every file a cron job scores) runs in about the time its launches take, and replayed it
+runs about twice as fast (docs/performance.md). Padding (buckets are powers of two) costs at most 2x
 the tokens of a small batch and nothing above `max_tokens`, which runs eagerly.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each piece is encoded without special tokens. Most tokenizers encode a piece alo
 prompt after a newline, where a template's pieces usually meet. A SentencePiece-style one (Llama 2, Mistral)
 puts '▁' before a text's start: there the prefix opens the text and the pieces after it are encoded as they
 follow other text (`TextEncoder.after`), the suffix as it follows a special token when a conversation ends in one.
-gigatoken is the fast path (about 70x faster than `tokenizers` on 2 cores, measured on byte-level BPE); it is used
+gigatoken is the fast path (many times faster than `tokenizers` on byte-level BPE: docs/performance.md); it is used
 only after it agreed with `tokenizers` on probe texts, and any tokenizer it refuses falls back to `tokenizers`.
 
 Conversation texts arrive marked (engine/text/content.py): a text without marks is encoded as tokenizers reads it, its

@@ -1,21 +1,21 @@
 """Compile a run's GPU kernel variants in parallel before its first batch.
 
 Triton compiles a kernel variant the first time a process launches it, one after another inside the first batches: on a
-fresh machine W1 spent 28 s more than a warm run compiling, and an 8-row file compiled the small-batch variants again.
-Here a dry run of the decoder (the prefixes' prefill, one eager batch per specialization class, each CUDA-graph bucket)
-launches nothing: every Triton launch runs as a warm-up, and Triton's jit_cache_hook records each variant this process
-has not loaded yet and skips its compile. A run not compiled before starts child processes first (start_compilers; on a
-fresh machine the command line started them, engine/warmup/compile_start.py), dry-runs a decoder of the model's shapes
-with its weights unread (loader.shaped_decoder: shapes, dtypes and strides decide the variants, values do not), handing
-each variant to the children as it meets it, and the children compile them into Triton's disk cache
-(engine/warmup/compile_procs.py) during the dry run and while the weights load (CompileJob); the real batches then load
-the kernels from disk. Anything failing on the way (no child process, a read-only cache) only leaves those kernels to
-compile at launch. The dry run computes nothing that is kept, and a variant it missed compiles when first launched, as
-before: what a run computes does not change, only when kernels compile.
+fresh machine that compile took longer than the rest of the run (docs/performance.md), and an 8-row file compiled the
+small-batch variants again. Here a dry run of the decoder (the prefixes' prefill, one eager batch per specialization
+class, each CUDA-graph bucket) launches nothing: every Triton launch runs as a warm-up, and Triton's jit_cache_hook
+records each variant this process has not loaded yet and skips its compile. A run not compiled before starts child
+processes first (start_compilers; on a fresh machine the command line started them, engine/warmup/compile_start.py),
+dry-runs a decoder of the model's shapes with its weights unread (loader.shaped_decoder: shapes, dtypes and strides
+decide the variants, values do not), handing each variant to the children as it meets it, and the children compile them
+into Triton's disk cache (engine/warmup/compile_procs.py) during the dry run and while the weights load (CompileJob);
+the real batches then load the kernels from disk. Anything failing on the way (no child process, a read-only cache) only
+leaves those kernels to compile at launch. The dry run computes nothing that is kept, and a variant it missed compiles
+when first launched, as before: what a run computes does not change, only when kernels compile.
 
 A marker per variant beside Triton's cache (policyscan_variants/) says it compiled there, so a warm machine starts no
 child process, and a manifest per run configuration lists its variants, so a repeated nightly run skips the dry run too
-(1.6 s at W1); wiping Triton's cache wipes both with it."""
+(docs/performance.md); wiping Triton's cache wipes both with it."""
 from __future__ import annotations
 
 import hashlib
@@ -37,8 +37,8 @@ from policyscan.engine.run.graphs import GraphedForward, static_batch
 from policyscan.engine.warmup import compile_start
 from policyscan.engine.warmup.compile_procs import Compilers
 
-# Seconds from a variant's hand-out to its answer on the H200 machine, on average per kernel (bench/startup_phases.py,
-# W1 fresh, 16 workers beside the load): of the variants waiting for a worker, the slowest go first
+# Mean seconds from a variant's hand-out to its answer, per kernel, measured on a fresh start (docs/performance.md,
+# start-up: seconds summed over each kernel's variants): of the variants waiting for a worker, the slowest go first
 COMPILE_SECONDS = {"_lora_gemm_ws_kernel": 5.7, "_prologue_kernel": 3.5, "_lora_gemm_tma_kernel": 2.9,
                    "_prologue_ws_kernel": 0.9, "_lora_gemm_kernel": 0.9, "_attn_kernel": 0.85}
 _LOCK = threading.Lock()  # one dry run at a time: each patches Triton for the whole process
@@ -74,12 +74,13 @@ class CompileReport:
 
 def shape_classes(batch_tokens: int, graphs: bool) -> list[tuple[int, int]]:
     """(tokens, sequences) of the dry run's batches. The kernels leave row and sequence counts unspecialized
-    (do_not_specialize), so a variant follows the launch knobs (kernels/tuning.py): the GEMM's kernel and tiles
-    follow its rows (<= 256, <= 2048 with tiles that depend on N, the Gluon kernel from 1025; the TMA kernel's
-    NUM_PROGS their count's next power of two), so one batch's tokens in each class, and since the last layer runs
-    its sequences' last tokens only, its sequences too. The sequence counts cover W1's widths; a width whose
-    classes fall between them compiles that variant at its first launch, as without compile_ahead. Eager batches
-    are those over the CUDA graphs' range; the graphs' buckets (tokens, and 8 or 16+ sequence slots) each once."""
+    (do_not_specialize), so a variant follows the launch knobs (kernels/tuning.py): the GEMM's kernel and tiles follow
+    its rows (<= 256, <= 2048 with tiles that depend on N, the Gluon kernel from 1025; the TMA kernel's NUM_PROGS their
+    count's next power of two), so one batch's tokens in each class, and since the last layer runs its sequences' last
+    tokens only, its sequences too. The sequence counts cover the batch widths of the workload they were chosen on (W1,
+    docs/performance.md); a width whose classes fall between them compiles that variant at its first launch, as without
+    compile_ahead. Eager batches are those over the CUDA graphs' range; the graphs' buckets (tokens, and 8 or 16+
+    sequence slots) each once."""
     low = GraphedForward.MAX_TOKENS + 16 if graphs else 16
     sizes = sorted({m for m in (64, 512, 1040, 2112, low) if low <= m <= batch_tokens - 1})
     seqs = (64, 320, 512, 704, 1040, 2112)

@@ -3,8 +3,8 @@
 One plain subprocess (`python -m policyscan.engine.warmup.compile_procs`), not a multiprocessing pool: it never imports
 the caller's __main__ (a library user's unguarded script would run again), and a daemonic process (a scoring worker,
 engine/parallel/workers.py) may start it, where it may not start a pool. It imports the kernels' modules once and then
-forks the compiling workers, which share that import: 16 children each importing torch and Triton took 9-14 s beside
-W1's model load on the H200 machine (bench/startup_phases.py), the fork a few milliseconds. Nothing in it touches CUDA
+forks the compiling workers, which share that import: a fork is nearly free, while children each importing torch and
+Triton themselves took many seconds beside the model load (docs/performance.md). Nothing in it touches CUDA
 before the fork (the kernels' modules do not at import), so each worker may. A worker takes one variant at a time from
 the caller as a JSON line on its own pipe and answers with a JSON string, "ok" or the error, so the slowest variants do
 not wait behind each other. POSIX only (fork), as Triton's GPU path is."""
@@ -185,8 +185,9 @@ def _main(fds: list[int], modules: list[str]) -> None:
         except Exception:  # noqa: BLE001  each variant importing it again reports the error
             pass
     pairs = list(zip(fds[::2], fds[1::2]))
-    # The caller's model load comes first: beside 16 workers at the same priority it took 10-20 s. The import
-    # above ran at the caller's priority: the workers must be ready when the dry run ends.
+    # The caller's model load comes first: beside the workers at the same priority it took several times as long
+    # (docs/performance.md). The import above ran at the caller's priority: the workers must be ready when the dry
+    # run ends.
     os.nice(10)
     for pair in pairs:
         if os.fork() == 0:

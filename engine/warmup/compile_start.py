@@ -2,8 +2,8 @@
 
 A fresh machine's run compiles its kernels while its model loads (engine/warmup/compile_ahead.py), in workers forked
 from one process that imports torch, Triton and the kernels first. Started by the engine, that process began importing
-2.4-2.9 s into W1's run, after the command line's own import of the same modules had taken 2.1-2.8 s, so its workers
-could take no variant much before 5 s, while the dry run hands them out from its first batch on. Started here, before
+only after the command line's own import of the same modules, so its workers took their first variant seconds after the
+dry run began handing them out, from its first batch on (docs/performance.md). Started here, before
 the command line imports torch, it imports beside it, and the engine takes it over (compile_ahead.start_compilers). Only
 where the run will compile on a GPU of this process: score or calibrate, not on the CPU, Ray or the worker path (each
 worker starts its own), and a Triton cache that holds no policyscan variant yet; a warm machine starts nothing.
