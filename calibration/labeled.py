@@ -44,7 +44,8 @@ def score_labeled(engine: Engine, files: list[Path], spec: ReadSpec, label_colum
     return score_labeled_policies(engine, files, spec, label_column)[0]
 
 
-def score_labeled_policies(engine: Engine, files: list[Path], spec: ReadSpec, label_column: str | None) -> list[Labeled]:
+def score_labeled_policies(engine: Engine, files: list[Path], spec: ReadSpec,
+                           label_column: str | None) -> list[Labeled]:
     """score_labeled for every policy of the engine in one pass: each policy reads its own label column (the one
     given, else `label`, else the policy's name). A file with a `policy` column holds labels per (conversation,
     policy), as `report --review` writes them: each policy keeps only the rows that name it."""

@@ -91,6 +91,10 @@ def evaluate(labeled, policy_dirs, label_column, from_scores, target_recall, tar
     bf16 = None
     if from_scores:
         data = [read_scores(files, p.name, label_column, ("f", "p")) for p in policies]
+        for pol, d in zip(policies, data):
+            if d.score == "p":
+                click.echo(f"{pol.name}: no f_{pol.name} column (score --raw): p_{pol.name} is read as it was "
+                           "scored, not with the policy's current calibration", err=True)
         scores = [p.calibrate_np(d.f) if d.score == "f" else d.f for p, d in zip(policies, data)]
     else:
         spec = ReadSpec(text_column, messages_column, id_column, max_chars=clip_chars(max_length))

@@ -54,7 +54,7 @@ def report(outputs, page, read_inputs, time_column, top, review, review_rows, re
         raise click.UsageError(f"-o {page}: folder {page_path.parent} does not exist")
     protected = {o.path: "an output read by this report" for o in outs}
     protected.update({Path(r["abs_path"]): "an input of the outputs" for o in outs for r in o.meta.get("inputs", [])
-                      if r.get("abs_path")})
+                      if r.get("abs_path") and Path(r["abs_path"]).is_file()})
     refuse_overwrites([(page_path, "the report")] + ([(Path(review), "the review queue")] if review else []),
                       protected)
     try:

@@ -9,7 +9,7 @@ import numpy as np
 
 from policyscan.report.batches import BATCH_ROWS, Batch, batches
 from policyscan.report.errors import ErrorSummary, errors_file
-from policyscan.report.kept import Kept, Row, mix
+from policyscan.report.kept import Kept, mix
 from policyscan.report.outputs import ScoredOutput
 from policyscan.report.timeline import Timeline, hours
 
@@ -46,12 +46,7 @@ class PolicyFigures:
     p_sum: float = 0.0
     top: Kept = field(default_factory=lambda: Kept(0))
     near: Kept = field(default_factory=lambda: Kept(0))
-    sample: list[Kept] = field(default_factory=list)
-
-    def review_rows(self, by: str) -> list[Row]:
-        if by == "nearest":
-            return self.near.rows
-        return [r for k in self.sample for r in k.rows]
+    sample: list[Kept] = field(default_factory=list)  # per stratum of p, for a stratified review sample
 
 
 @dataclass
@@ -86,7 +81,7 @@ def summarize(outputs: list[ScoredOutput], time_column: str | None, sel: Selecti
     thresholds = np.array(first.thresholds)
     for o, out in enumerate(outputs):
         row0 = 0
-        for b in batches(out, time_column, batch_rows):
+        for b in batches(out, time_column, batch_rows, with_f=sel.review > 0):  # f only for the review queue
             _add(s, b, o, row0, thresholds, time_column, out)
             row0 += len(b.ids)
         s.rows_per_output.append(row0)
@@ -108,6 +103,7 @@ def _add(s: Summary, b: Batch, o: int, row0: int, thresholds: np.ndarray, time_c
     s.flag_counts += np.bincount(fl.sum(axis=1), minlength=len(thresholds) + 1)
     if s.timeline is not None:
         s.timeline.add(hours(b.time, time_column, str(out.path)), fl, str(out.path))
+    noise = mix(place) if s.policies[0].sample else None
     for j, pol in enumerate(s.policies):
         pj = p[:, j]
         pol.hist += np.bincount(np.minimum((pj * BINS).astype(np.int64), BINS - 1), minlength=BINS)
@@ -118,7 +114,6 @@ def _add(s: Summary, b: Batch, o: int, row0: int, thresholds: np.ndarray, time_c
         pol.near.offer(np.abs(pj - pol.threshold), *offer)
         if pol.sample:
             stratum = np.minimum((pj * STRATA).astype(np.int64), STRATA - 1)
-            noise = mix(place)
             for i, kept in enumerate(pol.sample):
                 kept.offer(np.where(stratum == i, noise, np.inf), *offer)
     s.rows += n

@@ -40,17 +40,20 @@ class Batch:
             raise ValueError("ids, p, f and time must have one row per conversation")
 
 
-def batches(out: ScoredOutput, time_column: str | None, rows: int = BATCH_ROWS) -> Iterator[Batch]:
-    """The output's conversations in order, `rows` at a time (the long layout: `rows` of its rows)."""
+def batches(out: ScoredOutput, time_column: str | None, rows: int = BATCH_ROWS,
+            with_f: bool = True) -> Iterator[Batch]:
+    """The output's conversations in order, `rows` at a time (the long layout: `rows` of its rows); f only when the
+    output has it and `with_f` asks for it."""
     names = list(out.policies)
     wide = out.layout == "wide"
-    value_cols = ([f"p_{n}" for n in names] + ([f"f_{n}" for n in names] if out.raw else [])) if wide else \
-        ["policy", "p"] + (["f"] if out.raw else [])
+    raw = out.raw and with_f
+    value_cols = ([f"p_{n}" for n in names] + ([f"f_{n}" for n in names] if raw else [])) if wide else \
+        ["policy", "p"] + (["f"] if raw else [])
     wanted = ["id"] + value_cols + ([time_column] if time_column else [])
     tables = _parquet(out, wanted, rows) if out.path.name.endswith(".parquet") else _jsonl(out, wanted, rows)
     if wide:
         for t in tables:
-            yield _wide(t, names, out.raw, time_column)
+            yield _wide(t, names, raw, time_column)
         return
     pending: pa.Table | None = None
     k = len(names)
@@ -58,7 +61,7 @@ def batches(out: ScoredOutput, time_column: str | None, rows: int = BATCH_ROWS) 
         t = t if pending is None else pa.concat_tables([pending, t])
         whole = len(t) // k * k
         if whole:
-            yield _regroup(t.slice(0, whole), names, out, time_column)
+            yield _regroup(t.slice(0, whole), names, out, raw, time_column)
         pending = t.slice(whole) if whole < len(t) else None
     if pending is not None and len(pending):
         raise InputError(f"{out.path}: its last {len(pending)} rows are not a whole conversation's {k} policy rows; "
@@ -66,7 +69,7 @@ def batches(out: ScoredOutput, time_column: str | None, rows: int = BATCH_ROWS) 
 
 
 def _parquet(out: ScoredOutput, wanted: list[str], rows: int) -> Iterator[pa.Table]:
-    pf = pq.ParquetFile(out.path)
+    pf = pq.ParquetFile(out.path, pre_buffer=False)  # pre-buffering reads ahead of the batches: unbounded
     names = pf.schema_arrow.names
     _check_columns(out, names, wanted)
     for rb in pf.iter_batches(batch_size=rows, columns=wanted):
@@ -79,6 +82,7 @@ def _jsonl(out: ScoredOutput, wanted: list[str], rows: int) -> Iterator[pa.Table
         data = gzip.GzipFile(fileobj=raw, mode="rb") if out.path.name.endswith(".gz") else raw
         fh = io.TextIOWrapper(data, encoding="utf-8", newline="\n")
         cols: dict[str, list] = {c: [] for c in wanted}
+        checked = False
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -87,8 +91,9 @@ def _jsonl(out: ScoredOutput, wanted: list[str], rows: int) -> Iterator[pa.Table
             except json.JSONDecodeError as e:
                 raise InputError(f"{out.path}, line {n}: not JSON ({e.msg}); policyscan writes whole lines, so the "
                                  "file was changed or cut: score it again") from e
-            if n == 1:
+            if not checked:
                 _check_columns(out, list(rec), wanted)
+                checked = True
             for c in wanted:
                 cols[c].append(rec.get(c))
             if len(cols["id"]) >= rows:
@@ -117,7 +122,7 @@ def _wide(t: pa.Table, names: list[str], raw: bool, time_column: str | None) -> 
                  t.column(time_column).combine_chunks() if time_column else None)
 
 
-def _regroup(t: pa.Table, names: list[str], out: ScoredOutput, time_column: str | None) -> Batch:
+def _regroup(t: pa.Table, names: list[str], out: ScoredOutput, raw: bool, time_column: str | None) -> Batch:
     k = len(names)
     policy = t.column("policy").to_numpy(zero_copy_only=False).reshape(-1, k)
     if not (policy == np.array(names, dtype=object)).all():
@@ -125,7 +130,7 @@ def _regroup(t: pa.Table, names: list[str], out: ScoredOutput, time_column: str 
                          "conversation in turn; the file was not written by policyscan score or was changed")
     first = pa.array(np.arange(0, len(t), k))
     p = _floats(t.column("p")).reshape(-1, k)
-    f = _floats(t.column("f")).reshape(-1, k) if out.raw else None
+    f = _floats(t.column("f")).reshape(-1, k) if raw else None
     return Batch(t.column("id").take(first).combine_chunks(), p, f,
                  t.column(time_column).take(first).combine_chunks() if time_column else None)
 

@@ -38,6 +38,7 @@ class ScoredOutput:
 def find_outputs(items: list[str]) -> list[Path]:
     """Files as named; in folders, the files named as `score -o DIR/` names its outputs; globs. Each file once."""
     out: list[Path] = []
+    seen: set[Path] = set()
     for item in items:
         p = Path(item)
         if p.is_dir():
@@ -52,7 +53,10 @@ def find_outputs(items: list[str]) -> list[Path]:
                 raise InputError(f"{item}: the pattern matches no file")
         else:
             raise InputError(f"{item}: no such file or folder")
-        out += [f for f in found if f.resolve() not in {o.resolve() for o in out}]
+        for f in found:
+            if f.resolve() not in seen:
+                seen.add(f.resolve())
+                out.append(f)
     return out
 
 

@@ -57,11 +57,11 @@ def cell(value, data: dict[str, str] | None = None, digits: int = 4) -> str:
     return f"<td{attrs}>{escape(str(value))}</td>"
 
 
-def table(headers: list[str], rows: list[list[str]], cls: str = "") -> str:
+def table(headers: list[str], rows: list[list[str]]) -> str:
     """rows: lists of cells as cell() writes them."""
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(r) + "</tr>" for r in rows)
-    return f'<table{f" class={cls!r}" if cls else ""}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def pairs(items: list[tuple[str, object]]) -> str:

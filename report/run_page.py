@@ -157,7 +157,8 @@ def _provenance(s: Summary) -> str:
     m = s.outputs[0].meta
     model = m.get("model", {})
     parts = ["<h3>Model</h3>", pairs([("path", model.get("path")), ("sha256", model.get("sha256")),
-                                     ("architecture", model.get("arch")), ("FP8 checkpoint", model.get("fp8_checkpoint"))]
+                                     ("architecture", model.get("arch")),
+                                     ("FP8 checkpoint", model.get("fp8_checkpoint"))]
                                     + [(f"file {k}", v) for k, v in sorted((m.get("model_files") or {}).items())])]
     pol_rows = [[cell(p["name"]), f'<td class="h">{escape(str(p.get("adapter_sha256") or "prompt only"))}</td>',
                  cell(p.get("threshold")), cell(str((p.get("calibration") or {}).get("data_sha256", "")))]
