@@ -23,7 +23,7 @@ from policyscan.engine.settings import version  # noqa: E402
 COMMANDS = {"score": "score:score", "calibrate": "calibrate:calibrate", "quantize": "quantize:quantize",
             "inspect": "inspect:inspect_cmd", "verify": "verify:verify",
             "report": "report:report",
-            "evaluate": "evaluate:evaluate"}
+            "evaluate": "evaluate:evaluate", "train": "train:train"}
 
 
 class _Commands(click.Group):

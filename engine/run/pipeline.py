@@ -21,6 +21,7 @@ from policyscan.engine.outputs.sinks import ErrorWriter, ScoreWriter
 
 if TYPE_CHECKING:  # torch: the `score --ray` driver writes outputs without it
     from policyscan.engine.run.runner import Engine
+    from policyscan.engine.text.prompts import PolicyPrompts
 
 def score_inputs(engine: Engine, inputs: list[Path], output: Path, errors: Path, spec: ReadSpec, out: OutputSpec,
                  progress: Callable[[int, int], None] | None = None, keyed: bool = False,
@@ -74,8 +75,9 @@ def encoded_chunks(engine: Engine, path: Path, chunks: Iterator[Chunk]) -> Itera
         yield FileFailure(path, e, done)
 
 
-def encode_chunk(engine: Engine, chunk: Chunk) -> tuple[Chunk, list[np.ndarray]]:
-    """A chunk's valid conversations tokenized, its texts dropped (chunks queue up without them)."""
+def encode_chunk(engine: Engine | PolicyPrompts, chunk: Chunk) -> tuple[Chunk, list[np.ndarray]]:
+    """A chunk's valid conversations tokenized, its texts dropped (chunks queue up without them); `engine` is
+    anything holding the encoder and the policies' prompt builders."""
     # No prompt uses more of a conversation than the largest budget; one token more keeps "was it cut" known.
     keep = max(b.budget for b in engine.builders) + 1
     valid = [i for i, t in enumerate(chunk.texts) if t is not None]

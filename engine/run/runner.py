@@ -19,7 +19,7 @@ from policyscan.engine.policy.bundle import Policy
 from policyscan.engine.run.batch import pack, plan_batches
 from policyscan.engine.run.graphs import GraphedForward
 from policyscan.engine.settings import EngineSettings, version
-from policyscan.engine.text.prompts import PromptBuilder, TextEncoder
+from policyscan.engine.text.prompts import PolicyPrompts, TextEncoder
 from policyscan.engine.warmup import compile_start
 from policyscan.engine.warmup.compile_ahead import (
     CompileJob,
@@ -65,11 +65,11 @@ class Engine:
         _check_offsets(self.checkpoint.config, settings.batch_tokens)
         self.precision, self.precision_reason = (precision, None) if precision is not None else decide_precision(
             settings.precision, gpu, self.checkpoint.fp8, policies, settings.fp8_flip_limit)
-        self.encoder = TextEncoder(model_dir, chat_template=settings.chat_template, policies=policies,
-                                   text_is_rendered=settings.text_is_rendered)
+        sides = PolicyPrompts.for_policies(model_dir, policies, settings.max_length, settings.chat_template,
+                                           settings.text_is_rendered)
+        self.encoder, self.builders = sides.encoder, list(sides.builders)
         label_ids = [self.encoder.verdict_ids(p) for p in policies]
         check_token_ids(self.encoder, self.checkpoint, policies, label_ids)
-        self.builders = [PromptBuilder.for_policy(self.encoder, p, settings.max_length) for p in policies]
         heads = [b.head for b in self.builders] if settings.prefix_cache else []
         self.compile: CompileReport | None = None
         ahead, job, compilers = gpu and settings.compile_ahead, None, None

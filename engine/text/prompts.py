@@ -262,3 +262,18 @@ def render_messages(messages: list[dict], template: str | None, tokenizer_config
     """A messages list -> text through a chat template (`template`, else the tokenizer config's)."""
     source = template if template is not None else config_templates(tokenizer_config, "")["default"][0]
     return ChatTemplate(source, "render_messages", token_str(tokenizer_config.get("eos_token"))).render(messages)
+
+
+@dataclass(frozen=True)
+class PolicyPrompts:
+    """The prompt side of an engine without its model: the encoder and each policy's builder, as the Engine builds
+    them. What `train` encodes with, so that its prompts are score's."""
+
+    encoder: TextEncoder
+    builders: tuple[PromptBuilder, ...]
+
+    @classmethod
+    def for_policies(cls, model_dir: str | Path, policies: list[Policy], max_length: int,
+                     chat_template: str | None = None, text_is_rendered: bool = False) -> "PolicyPrompts":
+        enc = TextEncoder(model_dir, chat_template=chat_template, policies=policies, text_is_rendered=text_is_rendered)
+        return cls(enc, tuple(PromptBuilder.for_policy(enc, p, max_length) for p in policies))

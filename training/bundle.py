@@ -1,0 +1,113 @@
+"""The trained adapter into the policy folder: written into a staging folder beside it, scored through `score`'s
+engine on the holdout and compared with the trainer's own f (train/serve parity), calibrated on the holdout,
+checked FP8 against bf16, recorded, and only then renamed into place, all files together (a failure or Ctrl-C
+before that leaves the folder as it was)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from policyscan.calibration.metrics import average_precision, log_loss, roc_auc
+from policyscan.calibration.platt import PlattFit, fit_platt
+from policyscan.calibration.record import METHOD
+from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.outputs.sinks import commit_together
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.run.runner import Engine
+from policyscan.engine.settings import EngineSettings
+from policyscan.training.data import Example
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# The largest |f_engine - f_trainer| allowed, in units of the spread (standard deviation) of the trainer's holdout
+# f, by the precision both ran in: fp32 must agree to rounding; bf16 and FP8 as far as their own rounding moves f
+# against an exact reference (the engine-against-HF bounds, docs/performance.md).
+PARITY_BOUNDS = {"fp32": 1e-4, "bf16": 0.25, "fp8": 0.6}
+
+
+@dataclass(frozen=True)
+class Parity:
+    max_abs: float
+    spread: float
+    bound: float
+    first_row: str | None  # the first row past the bound, if any
+
+    @property
+    def ok(self) -> bool:
+        return self.first_row is None
+
+    def record(self) -> dict:
+        return {"max_abs_diff": self.max_abs, "f_spread": self.spread, "bound": self.bound}
+
+
+def staging(policy_dir: Path) -> Path:
+    """A fresh folder beside the policy's for the new bundle (same file system: renames are atomic)."""
+    stage = policy_dir.parent / f".{policy_dir.name}.train-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    shutil.copy2(policy_dir / "policy.json", stage / "policy.json")
+    return stage
+
+
+def parity(engine: Engine, holdout: list[Example], f_trainer: np.ndarray, precision: str) -> tuple[Parity, np.ndarray]:
+    """The holdout through `score`'s engine against the trainer's f; (the check, the engine's f)."""
+    f_engine = engine.score([list(e.ids) for e in holdout], np.zeros(len(holdout), dtype=np.int64)).astype(np.float64)
+    diff = np.abs(f_engine - f_trainer)
+    spread = float(np.std(f_trainer)) or 1.0
+    bound = PARITY_BOUNDS[precision] * (1.0 if precision == "fp32" else spread)
+    past = np.flatnonzero(diff > bound)
+    return Parity(float(diff.max()), spread, bound, holdout[past[0]].where if len(past) else None), f_engine
+
+
+def holdout_metrics(p: np.ndarray, y: np.ndarray, threshold: float) -> dict:
+    """log loss, ROC AUC, PR AUC and F1 at the policy's threshold on the held-out rows (null where one class)."""
+    yb = y.astype(bool)
+    both = 0 < yb.sum() < len(yb)
+    flag = p >= threshold
+    tp, fp, fn = int((flag & yb).sum()), int((flag & ~yb).sum()), int((~flag & yb).sum())
+    return {"log_loss": log_loss(p, yb), "roc_auc": roc_auc(p, yb) if both else None,
+            "pr_auc": average_precision(p, yb) if both else None,
+            "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else None, "threshold": threshold,
+            "rows": int(len(yb)), "positives": int(yb.sum())}
+
+
+def calibrate(f: np.ndarray, y: np.ndarray) -> PlattFit:
+    try:
+        return fit_platt(f, y.astype(bool))
+    except ValueError as e:
+        raise PolicyscanError(f"cannot calibrate the trained policy on its holdout: {e}") from e
+
+
+def fp8_check(model_dir: Path, stage: Path, settings: EngineSettings, holdout: list[Example], fit: PlattFit,
+              threshold: float) -> dict:
+    """What calibrate records for --precision auto: the share of holdout verdicts that flip between FP8 and bf16
+    with the new calibration, and the largest |dp| (the CPU runs FP8 in the GPU's twins)."""
+    p, device = {}, None
+    prompts = [list(e.ids) for e in holdout]
+    for precision in ("fp8", "bf16"):
+        engine = Engine(model_dir, [load_policy(stage)], dataclasses.replace(settings, precision=precision))
+        p[precision], device = fit(engine.score(prompts, np.zeros(len(prompts), dtype=np.int64))), str(engine.device)
+        del engine
+    flips = (p["fp8"] >= threshold) != (p["bf16"] >= threshold)
+    return {"flip_share": float(flips.mean()), "max_dp": float(np.abs(p["fp8"] - p["bf16"]).max()),
+            "rows": len(prompts), "device": device}
+
+
+def write_record(stage: Path, fit: PlattFit, calibration: dict, check: dict, training: dict) -> None:
+    meta = json.loads((stage / "policy.json").read_text())
+    meta["calibration"] = {"a": fit.a, "b": fit.b, "method": METHOD, **calibration, "fp8_check": check}
+    meta["training"] = training
+    (stage / "policy.json").write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
+
+
+def commit(stage: Path, policy_dir: Path) -> None:
+    """The staged adapter files and policy.json renamed into the policy folder together (sinks' commit: on a
+    failure the old files are put back)."""
+    moves = [(stage / name, policy_dir / name) for name in (*ADAPTER_FILES, "policy.json")]
+    commit_together(moves, [])
+    shutil.rmtree(stage, ignore_errors=True)
