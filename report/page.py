@@ -3,6 +3,7 @@ policy forbids every load, so a page that tried would say so in the browser's co
 from __future__ import annotations
 
 import datetime
+import re
 from html import escape
 
 from policyscan.engine.settings import version
@@ -27,6 +28,7 @@ svg .frame{fill:none;stroke:#adb5bd}svg .grid{stroke:#e9ecef}svg .ax{stroke:#868
 svg .bar{fill:#4c86c6}svg .thr{stroke:#c92a2a;stroke-width:1.5;stroke-dasharray:5 3}svg .thrt{fill:#c92a2a}
 svg .diag{stroke:#adb5bd;stroke-dasharray:3 3}svg .mark{fill:none;stroke:#c92a2a;stroke-width:2}
 """
+_HEX = re.compile(r"[0-9a-f]{32,}")  # a hash: shown in monospace
 # nothing may load: not a script, a font, an image or a style from anywhere
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
@@ -69,7 +71,7 @@ def pairs(items: list[tuple[str, object]]) -> str:
     rows = []
     for name, value in items:
         text = "n/a" if value is None else str(value)
-        mono = " class=\"h\"" if isinstance(value, str) and (len(value) >= 32 or "/" in value) else ""
+        mono = " class=\"h\"" if isinstance(value, str) and (_HEX.fullmatch(value) or "/" in value) else ""
         rows.append(f"<tr><th>{escape(name)}</th><td{mono}>{escape(text)}</td></tr>")
     return f"<table><tbody>{''.join(rows)}</tbody></table>"
 

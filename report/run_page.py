@@ -97,9 +97,10 @@ def _timeline(s: Summary, column: str | None) -> str:
         x = np.arange(len(series), dtype=np.float64)
         lines = [Series(p.name, x, np.array([f[j] / r if r else np.nan for _, r, f in series]),
                         dots=len(series) <= 60) for j, p in enumerate(s.policies)]
-        ticks = sorted({0, len(series) - 1} | set(np.linspace(0, len(series) - 1, 5).round().astype(int).tolist()))
+        ticks = range(len(series)) if len(series) <= 12 else \
+            sorted(set(np.linspace(0, len(series) - 1, 6).round().astype(int).tolist()))
         top = max((v for ln in lines for v in ln.y if np.isfinite(v)), default=0.0)
-        y_axis = Axis(0.0, max(top * 1.15, 0.01), tuple(np.round(np.linspace(0, max(top * 1.1, 0.01), 5), 4)))
+        y_axis = Axis.up_to(top)
         x_axis = Axis(-0.5, len(series) - 0.5, tuple(float(t) for t in ticks),
                       tuple(series[t][0][5:] for t in ticks))  # without the year
         parts.append(f'<div class="plots">{chart(lines, "flag rate over time", step, "share flagged", x_axis, y_axis)}'

@@ -58,6 +58,15 @@ class Axis:
         ticks = [0.0] + [float(k) for k in range(1, int(hi) + 1)]
         return Axis(0.0, hi * 1.05, tuple(ticks), tuple("0" if t == 0 else fmt(10 ** t) for t in ticks), log=True)
 
+    @staticmethod
+    def up_to(top: float) -> "Axis":
+        """From 0 to a little above `top`, with 3 to 6 round ticks (steps of 1, 2 or 5 times a power of ten)."""
+        top = max(top, 1e-3)
+        step = 10.0 ** math.floor(math.log10(top / 4))
+        step *= next(m for m in (1, 2, 5, 10) if top / (step * m) <= 5)
+        ticks = tuple(round(step * k, 12) for k in range(int(top / step) + 2) if step * k <= top * 1.15)
+        return Axis(0.0, max(top * 1.15, ticks[-1]), ticks)
+
     def text(self, k: int) -> str:
         return self.labels[k] if self.labels else fmt(self.ticks[k])
 
@@ -154,9 +163,11 @@ def chart(series: list[Series], title: str, x_label: str, y_label: str, x: Axis 
         parts.append(f'<rect x="{LEFT + 8}" y="{TOP + 6 + 14 * k}" width="10" height="3" fill="{color}"/>'
                      f'<text x="{LEFT + 22}" y="{TOP + 11 + 14 * k}" class="k">{escape(s.name)}</text>')
     for mx, my, label in marks or []:
-        parts.append(f'<circle cx="{plot.px(mx):.1f}" cy="{plot.py(my):.1f}" r="4.5" class="mark"><title>'
-                     f'{escape(label)}</title></circle><text x="{plot.px(mx) + 7:.1f}" y="{plot.py(my) - 6:.1f}" '
-                     f'class="k">{escape(label)}</text>')
+        x, y = plot.px(mx), plot.py(my)
+        right = x < LEFT + 0.6 * (WIDTH - LEFT - RIGHT)  # the label beside the point, inside the frame
+        parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4.5" class="mark"><title>{escape(label)}</title>'
+                     f'</circle><text x="{x + 7 if right else x - 7:.1f}" y="{max(y - 6, TOP + 10):.1f}" '
+                     f'text-anchor="{"start" if right else "end"}" class="k">{escape(label)}</text>')
     if threshold is not None:
         parts.append(_threshold_line(plot, threshold))
     return "".join(parts + plot.parts + ["</svg>"])
