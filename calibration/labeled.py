@@ -1,5 +1,6 @@
-"""calibrate's input: labeled conversations scored chunk by chunk through the scoring pipeline's reader, or the f
-column and labels of `score --raw` output. Either way, per row only its id, f and raw label are kept."""
+"""Labeled rows for calibrate and evaluate: conversations scored chunk by chunk through the scoring pipeline's
+reader, or the f (or p) column and labels of `score --raw` output. Either way, per row only its id, its score and
+its raw label are kept."""
 from __future__ import annotations
 
 import dataclasses
