@@ -60,7 +60,7 @@ SHOWN = ("roc_auc", "pr_auc", "log_loss", "brier", "ece", "precision", "recall",
 @click.option("-o", "--output", "page", default=None, type=click.Path(dir_okay=False), metavar="REPORT.html",
               help="write a page: reliability diagram, ROC and precision-recall curves, the sweep")
 @click.option("--bootstrap", default=REPLICATES, show_default=True, type=click.IntRange(0, 10000), metavar="N",
-              help="bootstrap replicates for the 95%% intervals (0: none)")
+              help="bootstrap replicates for the 95% intervals (0: none)")
 @model_option
 @click.option("--text-column", default=None, metavar="C")
 @click.option("--messages-column", default=None, metavar="C")

@@ -141,9 +141,10 @@ def test_fp8_is_shown_beside_bf16(tmp_path, sample_slice):
     verdict moved come with it."""
     labeled = tmp_path / "l.parquet"
     pq.write_table(pq.read_table(sample_slice["labeled"]).slice(0, 24), labeled)
-    out = tmp_path / "e.json"
+    out, page = tmp_path / "e.json", tmp_path / "e.html"
     res = run("evaluate", labeled, "--policy", SAMPLE / "policies" / "pii", "--precision", "fp8", "--json", out,
-              "--bootstrap", 10, "--max-length", "512")
+              "--bootstrap", 10, "--max-length", "512", "-o", page)
+    assert 'data-precision="bf16"' in page.read_text() and "FP8 and bf16 verdicts differ on" in page.read_text()
     got = _strict_json(out)
     assert got["precision"] == "fp8"
     pii = got["policies"]["pii"]
