@@ -91,10 +91,10 @@ def train(labeled, policy_dir, model, label_column, text_column, messages_column
         if bar:
             bar.close()
     fit, rec = result.fit, result.record
-    for e in fit.epochs:
+    for e in [fit.initial, *fit.epochs]:
         auc = "n/a" if e.holdout_roc_auc is None else f"{e.holdout_roc_auc:.4f}"
-        click.echo(f"epoch {e.epoch}: train loss {e.train_loss:.4f}, holdout loss {e.holdout_loss:.4f}, holdout ROC "
-                   f"AUC {auc} ({e.seconds:.1f} s)")
+        head = "untrained" if e.train_loss is None else f"epoch {e.epoch}: train loss {e.train_loss:.4f},"
+        click.echo(f"{head} holdout loss {e.holdout_loss:.4f}, holdout ROC AUC {auc} ({e.seconds:.1f} s)")
     after = rec["holdout_after_calibration"]
     click.echo(f"kept epoch {fit.best_epoch} of {len(fit.epochs)}; {fit.tokens:,} tokens in {fit.seconds:.1f} s "
                f"({fit.tokens / max(fit.seconds, 1e-9):,.0f} tokens/s)")

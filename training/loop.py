@@ -47,7 +47,7 @@ class LoopSettings:
 @dataclass
 class EpochRecord:
     epoch: int
-    train_loss: float
+    train_loss: float | None  # None before training
     holdout_loss: float
     holdout_roc_auc: float | None
     seconds: float
@@ -59,6 +59,7 @@ class Fit:
 
     state: dict[str, torch.Tensor]
     best_epoch: int
+    initial: EpochRecord | None = None  # the holdout under the untrained adapter (B = 0: the base model's f)
     epochs: list[EpochRecord] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
@@ -125,7 +126,8 @@ def fit(model: VerdictModel, train: list[Example], holdout: list[Example], s: Lo
         progress("total", float(total))
     rng = np.random.default_rng(s.seed)
     best = Fit(model.state(), 0)
-    best_loss, stale, step = math.inf, 0, 0
+    best.initial = _holdout_record(model, holdout, y_hold, s, autocast, 0, None, 0.0)
+    best_loss, stale, step = best.initial.holdout_loss, 0, 0
     for epoch in range(1, s.epochs + 1):
         started, losses, seen = time.perf_counter(), 0.0, 0
         model.peft.train()
@@ -148,10 +150,8 @@ def fit(model: VerdictModel, train: list[Example], holdout: list[Example], s: Lo
             best.tokens += int(mask.sum())
             if progress:
                 progress("step", float(loss.detach()))
-        f_hold = verdicts(model, holdout, s.batch_tokens, autocast)
-        hold_loss = float(np.mean(np.logaddexp(0.0, f_hold) - y_hold * f_hold))
-        record = EpochRecord(epoch, losses / max(1, seen), hold_loss, _auc(f_hold, y_hold),
-                             time.perf_counter() - started)
+        record = _holdout_record(model, holdout, y_hold, s, autocast, epoch, losses / max(1, seen), started)
+        hold_loss = record.holdout_loss
         best.epochs.append(record)
         if progress:
             progress("epoch", hold_loss)
@@ -164,6 +164,13 @@ def fit(model: VerdictModel, train: list[Example], holdout: list[Example], s: Lo
     model.load_state(best.state)
     best.seconds = time.perf_counter() - t0
     return best
+
+
+def _holdout_record(model: VerdictModel, holdout: list[Example], y: np.ndarray, s: LoopSettings,
+                    autocast: torch.dtype | None, epoch: int, train_loss: float | None, started: float) -> EpochRecord:
+    f = verdicts(model, holdout, s.batch_tokens, autocast)
+    loss = float(np.mean(np.logaddexp(0.0, f) - y * f))  # BCE of sigmoid(f), never overflowing
+    return EpochRecord(epoch, train_loss, loss, _auc(f, y), time.perf_counter() - started if started else 0.0)
 
 
 def _auc(f: np.ndarray, y: np.ndarray) -> float | None:

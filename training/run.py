@@ -185,7 +185,7 @@ def _record(job: TrainJob, ckpt: Checkpoint, ex: Examples, result: Fit, check: b
         "loop": asdict(job.loop), "holdout_fraction": job.holdout, "max_length": job.max_length,
         "precision": precision, "device": str(resolve_device(job.device)), "deterministic_algorithms": deterministic,
         "epochs_run": len(result.epochs), "best_epoch": result.best_epoch,
-        "epochs": [asdict(e) for e in result.epochs], "tokens": result.tokens, "seconds": round(result.seconds, 3),
+        "untrained": asdict(result.initial), "epochs": [asdict(e) for e in result.epochs], "tokens": result.tokens, "seconds": round(result.seconds, 3),
         "base_model_sha256": ckpt.fingerprint(),
         "holdout_before_calibration": before, "holdout_after_calibration": after,
         "parity": check.record(), "date": _now(),
