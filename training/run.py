@@ -104,7 +104,7 @@ def _train(job: TrainJob, policy: Policy, device: torch.device, precision: str, 
            label_ids: tuple[int, int], examples: Examples, progress, say) -> TrainResult:
     deterministic = _deterministic(device)
     dtype = torch.float32 if precision == "fp32" or device.type == "cpu" else torch.bfloat16
-    model = VerdictModel(job.model_dir, label_ids, job.lora, device, dtype, job.loop.seed)
+    model = VerdictModel.load(job.model_dir, label_ids, job.lora, device, dtype, job.loop.seed)
     if precision == "fp8":
         swap_projections(model.causal)
     if device.type == "cuda":

@@ -48,14 +48,10 @@ class LoraSpec:
 class VerdictModel:
     """A base model with one trainable LoRA adapter; f() is the verdict on a padded batch."""
 
-    def __init__(self, model_dir: Path, label_ids: tuple[int, int], lora: LoraSpec, device: torch.device,
-                 dtype: torch.dtype, seed: int):
-        import transformers as tf
+    def __init__(self, base, label_ids: tuple[int, int], lora: LoraSpec, seed: int):
+        """`base`: a transformers causal LM, frozen here and given the adapter."""
         from peft import LoraConfig, get_peft_model
 
-        tf.utils.logging.disable_progress_bar()  # train draws its own
-        base = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-        base.to(device)
         for p in base.parameters():
             p.requires_grad_(False)
         config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets), lora_dropout=0.0,
@@ -63,12 +59,22 @@ class VerdictModel:
         torch.manual_seed(seed)  # the A factors' initialization; B starts at zero, so f starts as the base's
         self.peft = get_peft_model(base, config)
         self.causal = self.peft.get_base_model()
-        self.model_dir, self.device = model_dir, device
+        self.device = next(base.parameters()).device
         c, v = label_ids
-        self.rows = torch.tensor([c, v], device=device)
+        self.rows = torch.tensor([c, v], device=self.device)
         hf = self.causal.config
         self.softcap = getattr(hf, "final_logit_softcapping", None)
         self.logits_scale = float(getattr(hf, "logits_scaling", 1.0) or 1.0)
+
+    @classmethod
+    def load(cls, model_dir: Path, label_ids: tuple[int, int], lora: LoraSpec, device: torch.device,
+             dtype: torch.dtype, seed: int) -> "VerdictModel":
+        """The base read from the checkpoint files by transformers (never a model cast in memory)."""
+        import transformers as tf
+
+        tf.utils.logging.disable_progress_bar()  # train draws its own
+        base = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        return cls(base.to(device), label_ids, lora, seed)
 
     def f(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """f (float32) per row of a right-padded batch; `last` holds each row's last token position."""
