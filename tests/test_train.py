@@ -201,3 +201,16 @@ def test_a_review_queue_gives_only_the_rows_that_name_the_policy(tmp_path):
     ex = read_examples(prompts, policy, [data], ReadSpec(), None, 0.2, ErrorWriter(tmp_path / "e.jsonl"))
     assert ex.counts()["other_policies"] == 4 and len(ex.train) + len(ex.holdout) == 8
     assert {e.id for e in ex.train + ex.holdout} == {q["id"] for q in queue if q["policy"] == "pii"}
+
+
+def test_fp8_training_checks_score_against_the_fp32_computation(tmp_path):
+    """--precision fp8 on the CPU: the base fake-quantized as FP8 scoring runs it, and score's W8A8 twin within
+    twice the trainer's own bf16 distance from the fp32 computation."""
+    data = tmp_path / "sub.parquet"
+    pq.write_table(pq.read_table(LABELED).slice(0, 200), data)
+    policy = fresh_policy(tmp_path)
+    res = cli("train", data, "--policy", policy, "--epochs", "1", "--holdout", "0.3", "--precision", "fp8", *FAST)
+    assert res.returncode == 0, res.stderr
+    rec = json.loads((policy / "policy.json").read_text())["training"]
+    assert rec["precision"] == "fp8" and 0 < rec["parity"]["score_vs_fp32"] <= rec["parity"]["bound"]
+    assert rec["parity"]["bound"] == pytest.approx(2 * rec["parity"]["train16_vs_fp32"] + 1e-6)

@@ -112,21 +112,27 @@ def _train(job: TrainJob, policy: Policy, device: torch.device, precision: str, 
     autocast = torch.bfloat16 if precision in ("bf16", "fp8") and device.type == "cuda" else None
     result = fit(model, examples.train, examples.holdout, job.loop, autocast, progress)
     f_trainer = verdicts(model, examples.holdout, job.loop.batch_tokens, autocast)
+    f_ref, f_16 = f_trainer, None
+    if precision != "fp32" and device.type == "cpu":  # the trainer ran fp32: its bf16 rounding measured here
+        f_16 = verdicts(model, examples.holdout, job.loop.batch_tokens, torch.bfloat16)
+    elif precision != "fp32":
+        f_16, f_ref = f_trainer, None
     stage = bundle.staging(job.policy_dir)
     try:
         model.save(stage, result.state)
         del model
+        if f_ref is None:  # the 16-bit trainer's own reference: the same adapter on the base read in fp32
+            f_ref = _fp32_verdicts(job, label_ids, device, precision, result.state, examples)
         settings = EngineSettings(str(device), "fp32" if precision == "fp32" else precision,
                                   max_length=job.max_length, chat_template=job.chat_template,
                                   text_is_rendered=job.text_is_rendered)
         engine = Engine(job.model_dir, [load_policy(stage)], settings)
-        check, f_engine = bundle.parity(engine, examples.holdout, f_trainer, precision)
+        check, f_engine = bundle.parity(engine, examples.holdout, f_trainer, f_ref, f_16)
         del engine
-        say(f"train/serve parity on {len(examples.holdout)} held-out rows ({precision}, {device}): largest "
-            f"|f_score - f_train| {check.max_abs:.3g} (bound {check.bound:.3g})")
+        say(f"train/serve parity on {len(examples.holdout)} held-out rows ({precision}, {device}): {check.describe()}")
         if not check.ok:
-            raise PolicyscanError(f"{check.first_row}: score's f differs from the trainer's by more than "
-                                  f"{check.bound:.3g} ({precision}); the policy folder was left as it was")
+            raise PolicyscanError(f"{check.first_row}: score's f is further from the fp32 computation than the "
+                                  f"bound ({check.describe()}); the policy folder was left as it was")
         y = np.array([e.label for e in examples.holdout], dtype=np.float64)
         platt = bundle.calibrate(f_engine, y)
         before = bundle.holdout_metrics(1.0 / (1.0 + np.exp(-f_engine)), y, policy.threshold)
@@ -138,6 +144,19 @@ def _train(job: TrainJob, policy: Policy, device: torch.device, precision: str, 
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return TrainResult(examples, result, check, record, 0)
+
+
+def _fp32_verdicts(job: TrainJob, label_ids: tuple[int, int], device: torch.device, precision: str,
+                   state: dict[str, torch.Tensor], examples: Examples) -> np.ndarray:
+    ref = VerdictModel.load(job.model_dir, label_ids, job.lora, device, torch.float32, job.loop.seed)
+    if precision == "fp8":
+        swap_projections(ref.causal)
+    ref.load_state(state)
+    f = verdicts(ref, examples.holdout, job.loop.batch_tokens, None)
+    del ref
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return f
 
 
 def _refuse_existing(policy: Policy, force: bool) -> None:
