@@ -74,6 +74,7 @@ def train(labeled, policy_dir, model, label_column, text_column, messages_column
 
     if text_column and messages_column:
         raise click.UsageError("give --text-column or --messages-column, not both")
+    _require_training_libraries()
     policy_dir = Path(policy_dir)
     files = input_files(list(labeled))
     spec = ReadSpec(text_column, messages_column, id_column, max_chars=clip_chars(max_length))
@@ -101,6 +102,14 @@ def train(labeled, policy_dir, model, label_column, text_column, messages_column
     click.echo("holdout after calibration: " + ", ".join(
         f"{k} {'n/a' if after[k] is None else format(after[k], '.4f')}" for k in ("log_loss", "roc_auc", "pr_auc", "f1")))
     click.echo(f"wrote {policy_dir / 'adapter_model.safetensors'} and {policy_dir / 'policy.json'}")
+
+
+def _require_training_libraries() -> None:
+    import importlib.util
+
+    missing = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.UsageError(f"train needs {' and '.join(missing)}: pip install 'policyscan[train]'")
 
 
 class _Progress:
