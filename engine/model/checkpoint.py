@@ -87,7 +87,7 @@ class Checkpoint:
         paths = set(self.files.values()) | {p for p in jinja if p.is_file()}
         paths |= {self.model_dir / n for n in SCORED_FILES if (self.model_dir / n).is_file()}
         paths = sorted(paths)
-        # the shards in parallel (hashlib and reads release the GIL): a fresh machine's first W1 run waited 6.7 s
+        # the shards in parallel (hashlib and reads release the GIL): one after another, a fresh run waited seconds
         with ThreadPoolExecutor(min(8, len(paths) or 1)) as pool:
             digests = list(pool.map(lambda p: cached_sha256(p, fresh), paths))
         return {str(p.relative_to(self.model_dir)): d for p, d in zip(paths, digests)}

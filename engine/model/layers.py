@@ -55,7 +55,7 @@ class DenseLoraLinear:
 
     def set_lora(self, stack: LoraStack | None) -> None:
         """Attach all adapters' factors, B in the projection's natural row order. The ranks stack per group
-        (q, k and v: 3 x 16 at W1) with B block diagonal, so each column block's span of ranks is kept for
+        (q, k and v of rank-16 adapters: 3 x 16) with B block diagonal, so each column block's span of ranks is kept for
         the GEMM's expand (kernels/spans.py)."""
         if stack is not None and self.silu_out:
             stack = LoraStack(stack.A, interleave_halves(stack.B, dim=1).contiguous())

@@ -154,8 +154,8 @@ def attach_policies(decoder: Decoder, policies: list[Policy], label_ids: list[tu
 
 def factors_on(policies: list[Policy], device: torch.device, values: bool = True) -> list[dict]:
     """Each policy's factors {(layer, proj): (A, B)} on `device`, float32, through one copy per policy: a copy
-    per factor (W1: 3,136) waited for the GPU each time, 3.8-4.6 s beside the compiling workers' start; now
-    W1's 780 MB (fp32) take 0.5 s idle, 2.1 s beside them (a pinned buffer took as long).
+    per factor waited for the GPU each time, several times as long beside the compiling workers' start (a pinned
+    buffer took as long; docs/performance.md).
 
     values False: the same shapes, every element 1, copying nothing: a shaped decoder's stacks (the
     compile-ahead dry run's), whose rank spans follow which blocks of B the stacking leaves zero. Only B zero
@@ -185,7 +185,7 @@ def _stack(cfg: ModelConfig, layer: int, projs: tuple[str, ...], policies: list[
         return None
     K = cfg.proj_shape(projs[0])[1]
     outs = [cfg.proj_shape(p)[0] for p in projs]
-    # built in place on the device: on the CPU, W1's stacks took 0.8 s of zeroing, copying and converting
+    # built in place on the device: zeroing, copying and converting them on the CPU slowed the load (docs/performance.md)
     A = torch.zeros(len(policies), R, K, dtype=dtype, device=device)
     B = torch.zeros(len(policies), sum(outs), R, dtype=dtype, device=device)
     for n, pol in enumerate(policies):

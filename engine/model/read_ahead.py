@@ -1,9 +1,9 @@
 """Stream a checkpoint's tensors to the device ahead of the loader, read in parallel threads.
 
 safetensors' get_tensor copies a tensor out of a memory map into pageable memory, and a pageable copy to the GPU
-ran at about 5 GB/s on the H200 machine (W1's 6.4 GB: 1.34 s). Here threads read the tensors' bytes with preadv
-(no page faults; the GIL released) into pinned staging buffers, which the loader's thread copies to the GPU
-asynchronously: 16-21 GB/s with 4-8 threads there (docs/performance.md). The stream runs in the order the loader
+is several times slower than a pinned one. Here threads read the tensors' bytes with preadv (no page faults; the
+GIL released) into pinned staging buffers, which the loader's thread copies to the GPU asynchronously, at several
+times the rate (docs/performance.md). The stream runs in the order the loader
 asks: layer by layer, then the final norm and the embeddings, so that a tensor waits on the device only until the
 rest of its layer arrived; a name outside the stream is read as before (Checkpoint.get)."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ from policyscan.engine.tensor_header import open_header
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-SLOT_BYTES = 32 << 20  # a staging buffer; pinning host memory cost 0.55 s a GiB there, so 8 of them
+SLOT_BYTES = 32 << 20  # a staging buffer; pinning host memory is slow (docs/performance.md): THREADS small ones, reused
 THREADS = 8
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _LAST = ("model.norm.weight", "model.embed_tokens.weight")  # what the loader reads after the layers
