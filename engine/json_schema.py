@@ -178,10 +178,13 @@ def _count(high: int, types: str = "int", required: bool = False) -> Field:
 _POSITIVE = Field("number", above=0)
 _FLAG = Field("bool|null")  # null: the field's default
 _POSITIONS = 2**31 - 1
-_ROPE = Field("object|null", fields={
+_ROPE_FIELDS = {
     "rope_type": Field("str|null"), "type": Field("str|null"), "rope_theta": Field("number|null", above=0),
     "factor": _POSITIVE, "low_freq_factor": _POSITIVE, "high_freq_factor": _POSITIVE,
-    "original_max_position_embeddings": _count(_POSITIONS)})
+    "original_max_position_embeddings": _count(_POSITIONS)}
+# gemma3's rope_parameters hold one rope per layer type
+_ROPE = Field("object|null", fields={**_ROPE_FIELDS, **{kind: Field("object|null", fields=_ROPE_FIELDS)
+                                                         for kind in ("full_attention", "sliding_attention")}})
 # a model's config.json (ModelConfig.from_dict, Checkpoint.open); the bounds lie far beyond any real model's
 CONFIG: dict[str, Field] = {
     "architectures": Field("list|null", items=Field("str")),
@@ -199,7 +202,8 @@ CONFIG: dict[str, Field] = {
     "sliding_window": Field("int|null", low=0, high=_POSITIONS),
     "hidden_act": Field("str"), "hidden_activation": Field("str"),
     "rope_theta": Field("number|null", above=0), "rope_scaling": _ROPE, "rope_parameters": _ROPE,
-    "layer_types": Field("list|null", items=Field("str")),
+    "rope_local_base_freq": Field("number|null", above=0),
+    "layer_types": Field("list|null", items=Field("str")), "sliding_window_pattern": _count(1024, "int|null"),
     "query_pre_attn_scalar": _POSITIVE,
     "attn_logit_softcapping": Field("number|null", above=0), "final_logit_softcapping": Field("number|null", above=0),
     "attention_multiplier": _POSITIVE, "embedding_multiplier": _POSITIVE, "residual_multiplier": _POSITIVE,

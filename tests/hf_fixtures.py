@@ -33,6 +33,16 @@ def hf_config(arch: str, tie: bool = False, **over):
                                final_logit_softcapping=3.0).items():
             kw.setdefault(key, value)
         return tf.Gemma2Config(**kw)
+    if arch == "gemma3":  # both layer types, a rope of each (linear scaling on full attention, as the 4B+ have it),
+        # a window shorter than the longest test sequence; no soft-capping (gemma3's default)
+        for key, value in dict(head_dim=20, query_pre_attn_scalar=24, sliding_window=9,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                   "rope_theta": 1e6},
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                               ).items():
+            kw.setdefault(key, value)
+        return tf.Gemma3TextConfig(**kw)
     if arch == "granite":  # multipliers far from 1, as in the real models
         for key, value in dict(embedding_multiplier=12.0, attention_multiplier=0.09, residual_multiplier=0.22,
                                logits_scaling=1.7).items():

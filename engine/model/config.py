@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
     "GraniteForCausalLM": "granite",
 }
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -59,11 +60,12 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     max_position: int = 131072
-    sliding_layers: tuple[bool, ...] | None = None  # gemma2: which layers slide (None: all, with a window)
+    sliding_layers: tuple[bool, ...] | None = None  # gemma2/3: which layers slide (None: all, with a window)
+    sliding_rope: RopeConfig | None = None  # gemma3: the sliding layers' own rope (None: `rope` for every layer)
     attn_scale: float | None = None    # softmax scale; None: head_dim ** -0.5
     attn_softcap: float | None = None  # gemma2: scores = cap * tanh(scores / cap) before the mask
     final_softcap: float | None = None  # gemma2: each label logit capped the same way
-    embed_scale: float = 1.0      # gemma2 sqrt(hidden), granite embedding_multiplier
+    embed_scale: float = 1.0      # gemma2/3 sqrt(hidden), granite embedding_multiplier
     residual_scale: float = 1.0   # granite: each residual branch times this before the add
     logits_scale: float = 1.0     # granite: logits divided by this
 
@@ -90,8 +92,8 @@ class ModelConfig:
 
     @property
     def gemma(self) -> bool:
-        """(1 + w) RMSNorms, a norm after attention and after the MLP, GELU-tanh: gemma2's layer."""
-        return self.arch == "gemma2"
+        """(1 + w) RMSNorms, a norm after attention and after the MLP, GELU-tanh: gemma2's and gemma3's layer."""
+        return self.arch in ("gemma2", "gemma3")
 
     @property
     def scale(self) -> float:
@@ -102,6 +104,15 @@ class ModelConfig:
         if self.sliding_layers is not None and not self.sliding_layers[layer]:
             return None
         return self.sliding_window
+
+    @property
+    def ropes(self) -> tuple[RopeConfig, ...]:
+        """The distinct rotary embeddings of the layers: `rope`, then gemma3's sliding layers' own."""
+        return (self.rope,) if self.sliding_rope in (None, self.rope) else (self.rope, self.sliding_rope)
+
+    def rope_index(self, layer: int) -> int:
+        """Which of `ropes` rotates one layer's q and k."""
+        return int(len(self.ropes) > 1 and self.sliding_layers is not None and self.sliding_layers[layer])
 
     @property
     def q_size(self) -> int:
@@ -133,18 +144,21 @@ class ModelConfig:
         _refuse_unsupported(raw, arch, source)
         try:
             hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-            if arch == "gemma2":  # no use_sliding_window switch: layer_types says which layers slide
+            if arch in ("gemma2", "gemma3"):  # no use_sliding_window switch: layer_types says which layers slide
                 window = raw.get("sliding_window", 4096)
             else:
                 window = raw.get("sliding_window") if _flag(raw, "use_sliding_window", arch == "mistral") else None
-            extra = _gemma2(raw, hidden) if arch == "gemma2" else _granite(raw) if arch == "granite" else {}
+            extra = _gemma2(raw, hidden) if arch == "gemma2" else _gemma3(raw, hidden) if arch == "gemma3" \
+                else _granite(raw) if arch == "granite" else {}
+            rope = extra.pop("rope", None) or _rope(raw)  # gemma3: its full-attention layers' rope
+            kv_heads, head_dim = (4, 256) if arch == "gemma3" else (heads, hidden // heads)  # HF's defaults
             return cls(
                 arch=arch, hidden=hidden, intermediate=raw["intermediate_size"], layers=raw["num_hidden_layers"],
-                heads=heads, kv_heads=raw.get("num_key_value_heads") or heads,
-                head_dim=raw.get("head_dim") or hidden // heads, vocab=raw["vocab_size"],
-                rms_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=_rope(raw),
-                tie_embeddings=_flag(raw, "tie_word_embeddings", arch == "gemma2"),
-                qkv_bias=_flag(raw, "attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
+                heads=heads, kv_heads=raw.get("num_key_value_heads") or kv_heads,
+                head_dim=raw.get("head_dim") or head_dim, vocab=raw["vocab_size"],
+                rms_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=rope,
+                tie_embeddings=_flag(raw, "tie_word_embeddings", arch in ("gemma2", "gemma3")),
+                qkv_bias=_flag(raw, "attention_bias", arch == "qwen2"), qk_norm=arch in ("qwen3", "gemma3"),
                 sliding_window=window or None, max_position=raw.get("max_position_embeddings", 131072), **extra,
             )
         except CheckpointError as e:
@@ -169,14 +183,19 @@ LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 def _refuse_unsupported(raw: dict, arch: str, source: str) -> None:
     """Fields whose other values change the model in ways policyscan does not implement: refused by name."""
-    act_key, act = ("hidden_activation", "gelu_pytorch_tanh") if arch == "gemma2" else ("hidden_act", "silu")
+    gemma = arch in ("gemma2", "gemma3")
+    act_key, act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
     if raw.get(act_key, act) != act:
         raise CheckpointError(f"{source}: {act_key} {raw[act_key]!r} is not supported for {arch} (only {act!r})")
-    flags = ["mlp_bias"] + (["attention_bias", "use_bidirectional_attention"] if arch in ("gemma2", "granite")
+    flags = ["mlp_bias"] + (["attention_bias", "use_bidirectional_attention"] if gemma or arch == "granite"
                             else [])
     for key in flags:
         if raw.get(key):
             raise CheckpointError(f"{source}: {key} = {raw[key]!r} is not supported for {arch}")
+    if arch == "gemma3" and raw.get("attn_logit_softcapping") is not None:
+        raise CheckpointError(f"{source}: attn_logit_softcapping = {raw['attn_logit_softcapping']!r} is not supported "
+                              "for gemma3: transformers' Gemma3 never applies it (Gemma 3 norms q and k instead), so "
+                              "what it would mean is unknown; set it to null")
 
 
 def _flag(raw: dict, key: str, default: bool) -> bool:
@@ -189,13 +208,39 @@ def _gemma2(raw: dict, hidden: int) -> dict:
     """HF's defaults where a key is missing; a key set to null turns its soft-capping off."""
     n = raw["num_hidden_layers"]
     types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    scalar = float(raw.get("query_pre_attn_scalar", 256))
+    return dict(sliding_layers=_sliding_layers(types), attn_scale=scalar ** -0.5,
+                attn_softcap=_opt(raw.get("attn_logit_softcapping", 50.0)),
+                final_softcap=_opt(raw.get("final_logit_softcapping", 30.0)), embed_scale=hidden ** 0.5)
+
+
+def _gemma3(raw: dict, hidden: int) -> dict:
+    """gemma2's fields with gemma3's defaults (five sliding layers, then a full one; the logits soft-capped only where
+    final_logit_softcapping is set, attention never: _refuse_unsupported), and a rope per layer type:
+    `rope_parameters` {"full_attention": ..., "sliding_attention": ...}, or in older configs `rope_theta` (with
+    `rope_scaling`) for full attention and `rope_local_base_freq` for sliding, as transformers reads them."""
+    n, every = raw["num_hidden_layers"], raw.get("sliding_window_pattern") or 6
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    params = raw.get("rope_parameters") or {}
+    flat = sorted(set(params) - set(LAYER_TYPES))
+    if flat:
+        raise CheckpointError(f"rope_parameters has {flat} beside the layer types: gemma3 takes one rope per "
+                              f"layer type ({{\"full_attention\": {{...}}, \"sliding_attention\": {{...}}}})")
+    full = {**(params.get("full_attention") or {}), **(raw.get("rope_scaling") or {})}
+    local = dict(params.get("sliding_attention") or {})
+    full.setdefault("rope_theta", raw.get("rope_theta") or 1e6)
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq") or 1e4)
+    scalar = float(raw.get("query_pre_attn_scalar", 256))
+    return dict(sliding_layers=_sliding_layers(types), attn_scale=scalar ** -0.5,
+                final_softcap=_opt(raw.get("final_logit_softcapping")), embed_scale=hidden ** 0.5,
+                rope=_rope_of(full), sliding_rope=_rope_of(local))
+
+
+def _sliding_layers(types: list[str]) -> tuple[bool, ...]:
     if any(t not in LAYER_TYPES for t in types):
         raise CheckpointError(f"layer_types {sorted(set(types) - set(LAYER_TYPES))} are not supported "
                               f"(supported: {', '.join(LAYER_TYPES)})")
-    scalar = float(raw.get("query_pre_attn_scalar", 256))
-    return dict(sliding_layers=tuple(LAYER_TYPES[t] for t in types), attn_scale=scalar ** -0.5,
-                attn_softcap=_opt(raw.get("attn_logit_softcapping", 50.0)),
-                final_softcap=_opt(raw.get("final_logit_softcapping", 30.0)), embed_scale=hidden ** 0.5)
+    return tuple(LAYER_TYPES[t] for t in types)
 
 
 def _granite(raw: dict) -> dict:
@@ -211,7 +256,12 @@ def _opt(v) -> float | None:
 
 def _rope(raw: dict) -> RopeConfig:
     scaling = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    theta = float(raw.get("rope_theta") or scaling.get("rope_theta") or 10000.0)
+    return _rope_of(scaling, raw.get("rope_theta"))
+
+
+def _rope_of(scaling: dict, theta: float | None = None) -> RopeConfig:
+    """One rope from its parameters (rope_type, rope_theta, the scaling's fields); `theta` first where given."""
+    theta = float(theta or scaling.get("rope_theta") or 10000.0)
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return RopeConfig(theta=theta)
@@ -223,11 +273,12 @@ def _rope(raw: dict) -> RopeConfig:
     )
 
 
-def inv_freq(cfg: ModelConfig):
-    """Rotary inverse frequencies (float64), including linear and llama3 scaling as HF computes them."""
+def inv_freq(cfg: ModelConfig, rope: RopeConfig | None = None):
+    """Rotary inverse frequencies (float64) of `rope` (one of cfg.ropes; default cfg.rope), including linear and
+    llama3 scaling as HF computes them."""
     import torch
 
-    r = cfg.rope
+    r = rope or cfg.rope
     freq = 1.0 / (r.theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
     if r.kind == "linear":
         return freq / r.factor

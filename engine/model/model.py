@@ -1,4 +1,5 @@
-"""The decoder (Llama, Mistral, Qwen2, Qwen3, Gemma2, Granite) over packed multi-LoRA batches; f from two tokens."""
+"""The decoder (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3, Granite) over packed multi-LoRA batches; f from two
+tokens."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,10 +21,10 @@ class DecoderLayer:
     o: DenseLoraLinear         # + residual
     gate_up: DenseLoraLinear   # prologue: post-attention RMSNorm; epilogue: SiLU-and-mul
     down: DenseLoraLinear      # + residual
-    q_norm: torch.Tensor | None = None  # Qwen3 per-head norms
+    q_norm: torch.Tensor | None = None  # Qwen3 and gemma3 per-head norms
     k_norm: torch.Tensor | None = None
-    post_attn_norm: torch.Tensor | None = None  # gemma2: o's output normed before its residual add
-    post_mlp_norm: torch.Tensor | None = None   # gemma2: down's output normed before its residual add
+    post_attn_norm: torch.Tensor | None = None  # gemma2/3: o's output normed before its residual add
+    post_mlp_norm: torch.Tensor | None = None   # gemma2/3: down's output normed before its residual add
 
 
 class Decoder:
@@ -48,15 +49,27 @@ class Decoder:
         return self.precision.dtype
 
     def rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """cos/sin [P, head_dim/2] fp32 covering positions < max_pos, computed in fp64, rounded to fp16 and packed
-        where the precision says so (Precision.packed_rope). Grown on demand."""
+        """cos/sin [n P, head_dim/2] fp32: P positions (P >= max_pos) of each of the n rotary embeddings of
+        cfg.ropes (gemma3's sliding layers have their own) one after the other, computed in fp64, rounded to fp16
+        and packed where the precision says so (Precision.packed_rope). Grown on demand. One tensor each, so that
+        whoever keeps the tables alive (a CUDA graph) keeps every layer's; layer_rope cuts a layer's rows out."""
         if self._rope_cache is None or self._rope_cache[0] < max_pos:
             size = max(max_pos, 4096)
-            ang = torch.outer(torch.arange(size, dtype=torch.float64), inv_freq(self.cfg))
+            pos = torch.arange(size, dtype=torch.float64)
+            ang = torch.cat([torch.outer(pos, inv_freq(self.cfg, r)) for r in self.cfg.ropes])
             # on the CPU, then moved: the same bits on every device
             tables = rope_tables(ang, packed=self.precision.packed_rope)
             self._rope_cache = (size, *(t.to(self.device) if t is not None else None for t in tables))
         return self._rope_cache[1:]
+
+    def layer_rope(self, tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], layer: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One layer's cos/sin (and packed) rows of rope_tables' tables: views, contiguous."""
+        n = len(self.cfg.ropes)
+        if n == 1:
+            return tables
+        P, k = tables[0].shape[0] // n, self.cfg.rope_index(layer)
+        return tuple(t[k * P:(k + 1) * P] if t is not None else None for t in tables)
 
     def forward(self, batch: PackedBatch, prefix: PrefixCache | None = None,
                 capture: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -71,7 +84,7 @@ class Decoder:
         if prefix is not None:
             ad = batch.seq_adapter.long()
             seq_pre = (prefix.start[ad], prefix.length[ad])
-        cos, sin, packed = self.rope_tables(batch.max_seqlen + (prefix.longest if prefix is not None else 0))
+        tables = self.rope_tables(batch.max_seqlen + (prefix.longest if prefix is not None else 0))
         shape = AttnShape(cfg.heads, cfg.kv_heads, cfg.head_dim)
         positions = batch.positions
         if prefix is not None:  # a sequence's own tokens start after its policy's cached prefix
@@ -87,6 +100,7 @@ class Decoder:
             # The last layer only needs each sequence's last token past the K/V projections, q included: exact
             # pruning (q there is W1's 3072 of 5120 qkv columns).
             last_only = i == len(self.layers) - 1
+            cos, sin, packed = self.layer_rope(tables, i)
             rope = RopeCols(positions, cos, sin, D, q_cols + cfg.kv_heads * D, q_cols, layer.q_norm, layer.k_norm,
                             cfg.rms_eps, packed)
             # qkv's prologue streams x by TMA (kernels/gluon_prologue.py), the other three do not: at the 700 W
@@ -128,7 +142,7 @@ class Decoder:
 
     def _sandwich_branches(self, layer: DecoderLayer, attn: torch.Tensor, attn_amax: torch.Tensor | None,
                            h: torch.Tensor, tok_ad: torch.Tensor) -> torch.Tensor:
-        """gemma2's o and MLP, each branch's output normed before its residual add: a norm no GEMM epilogue
+        """gemma2's and gemma3's o and MLP, each branch's output normed before its residual add: a norm no GEMM epilogue
         can apply, so o and down write the branch alone and a 16-bit norm prologue (no LoRA) then adds it.
         The next prologues find their FP8 scales by a sweep (no row maxima are passed on)."""
         h = self._norm_add(layer.o(attn, tok_ad, x_amax=attn_amax), layer.post_attn_norm, h, tok_ad)
