@@ -16,9 +16,9 @@ from policyscan.engine.outputs.sinks import commit_together, meta_path, remove_l
 from policyscan.report.aggregate import STRATA, Summary
 from policyscan.report.excerpts import Conversation
 from policyscan.report.kept import Row
+from policyscan.report.outputs import FORMATS
 
 REVIEW_KEY = b"policyscan_review"
-FORMATS = (".parquet", ".jsonl", ".jsonl.gz")
 
 
 @dataclass(frozen=True)
