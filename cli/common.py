@@ -216,11 +216,12 @@ def protected_files(inputs: list[Path], model_dir: Path, policy_dirs: list[Path]
 def refuse_overwrites(outputs: list[tuple[Path, str]], protected: dict[Path, str]) -> None:
     """outputs: (path, what it is: output, errors file, metadata). None may be a protected file (by its
     resolved path or as the same file through a link) or another of the outputs."""
-    ids = {_file_id(p): (p, what) for p, what in protected.items()}
+    ids = {key: (p, what) for p, what in protected.items() if (key := _file_id(p)) is not None}
     resolved = {p.resolve(): (p, what) for p, what in protected.items()}
     seen: dict[Path, str] = {}
     for path, what in outputs:
-        hit = resolved.get(path.resolve()) or ids.get(_file_id(path))
+        key = _file_id(path)
+        hit = resolved.get(path.resolve()) or (ids.get(key) if key is not None else None)
         if hit:
             raise click.UsageError(f"{what} {path} is {hit[1]} ({hit[0]}); writing it would destroy it: "
                                    "choose another path")

@@ -87,3 +87,12 @@ def test_verify_reads_every_file(reads, monkeypatch, tmp_path):
     assert ckpt.fingerprint() == first and len(reads) == n  # the nightly run: from the cache
     forget(monkeypatch)
     assert ckpt.fingerprint(fresh=True) == first and len(reads) == 2 * n  # verify: every file read
+
+
+def test_an_output_not_there_yet_is_no_protected_file_that_is_not_there_either(tmp_path):
+    from policyscan.cli.common import refuse_overwrites
+
+    refuse_overwrites([(tmp_path / "new.html", "report")], {tmp_path / "gone.parquet": "an input"})
+    (tmp_path / "in.parquet").write_text("x")
+    with pytest.raises(Exception, match="writing it would destroy it"):
+        refuse_overwrites([(tmp_path / "in.parquet", "report")], {tmp_path / "in.parquet": "an input"})
