@@ -18,7 +18,9 @@ NEEDED = ["model/config.json", "model/model.safetensors", "model/tokenizer.json"
 def test_the_wheel_ships_the_sample_model_and_policies(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "cli", "engine", "kernels", "calibration", "rayscan", "sample_data"):
+    import tomllib
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    for name in ("pyproject.toml", "README.md", *sorted(set(folders))):
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
         copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
                                           if (ROOT / name).is_dir() else {}))
