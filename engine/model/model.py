@@ -91,21 +91,22 @@ class Decoder:
             positions = positions + prefix.length[batch.token_adapter.long()]
         # q and k are normed and rotated by the qkv GEMM as it writes them (a cached prefix keeps rotated keys),
         # so the attention reads them as they are: no rope pass, no rotation inside the attention
-        # (kernels/gluon_rope.py: W1 +0.3% end to end).
+        # (kernels/gluon_rope.py; faster end to end than a rope pass: docs/performance.md).
         q_cols, D = cfg.heads * cfg.head_dim, cfg.head_dim
         h = self.embed[batch.ids]
         h_amax = None  # partial row maxima of |h * next norm weight|: see below
         tok_ad, last = batch.token_adapter, batch.last_idx
         for i, layer in enumerate(self.layers):
             # The last layer only needs each sequence's last token past the K/V projections, q included: exact
-            # pruning (q there is W1's 3072 of 5120 qkv columns).
+            # pruning (q is most of the qkv GEMM's columns).
             last_only = i == len(self.layers) - 1
             cos, sin, packed = self.layer_rope(tables, i)
             rope = RopeCols(positions, cos, sin, D, q_cols + cfg.kv_heads * D, q_cols, layer.q_norm, layer.k_norm,
                             cfg.rms_eps, packed)
             # qkv's prologue streams x by TMA (kernels/gluon_prologue.py), the other three do not: at the 700 W
             # cap the faster prologue's power spike slows the GEMM after it, which the short qkv GEMM (and the
-            # attention after it) absorb and gate_up's does not (qkv's alone: W1 +0.84%, W4 +1.5%; all four: W1 -3.1%)
+            # attention after it) absorb and gate_up's does not (on qkv alone a gain, on all four a loss:
+            # docs/performance.md)
             if last_only:  # each row's own adapter: a padded batch's empty sequences repeat a last index
                 qkv = layer.qkv.split_rows(h, tok_ad, q_cols, last, tok_ad[last], x_amax=h_amax, rope=rope, tma=True)
             else:
