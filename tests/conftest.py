@@ -63,16 +63,19 @@ def sample_slice(tmp_path_factory) -> dict[str, Path]:
 # The files whose tests take longest on 2 cores, longest first (seconds summed idle, from `--durations=0`):
 # xdist hands a process the next file when its queue runs low, so the two end together. xdist's own order (most
 # tests first, skipped GPU tests counted) handed out the Ray tests last, which then ran alone (docs/performance.md).
-LONGEST_FIRST = ("test_kernels.py",  # 36
+LONGEST_FIRST = ("test_train.py",  # 58
+                 "test_kernels.py",  # 36
                  "test_engine_vs_hf.py",  # 32
                  "test_ray.py",  # 30
                  "test_determinism.py",  # 24
                  "test_workers.py",  # 24
+                 "test_gemma3_real.py",  # 22
                  "test_gemma2_granite.py",  # 21
                  "test_real_model.py",  # 18
                  "test_row_amax.py",  # 17
                  "test_cli_failures.py",  # 14
                  "test_calibration.py",  # 12
+                 "test_gemma3.py",  # 12
                  "test_cli.py")  # 11
 
 
