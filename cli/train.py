@@ -99,8 +99,9 @@ def train(labeled, policy_dir, model, label_column, text_column, messages_column
     after = rec["holdout_after_calibration"]
     click.echo(f"kept epoch {fit.best_epoch} of {len(fit.epochs)}; {fit.tokens:,} tokens in {fit.seconds:.1f} s "
                f"({fit.tokens / max(fit.seconds, 1e-9):,.0f} tokens/s)")
-    click.echo("holdout after calibration: " + ", ".join(
-        f"{k} {'n/a' if after[k] is None else format(after[k], '.4f')}" for k in ("log_loss", "roc_auc", "pr_auc", "f1")))
+    figures = (f"{k} {'n/a' if after[k] is None else format(after[k], '.4f')}"
+               for k in ("log_loss", "roc_auc", "pr_auc", "f1"))
+    click.echo("holdout after calibration: " + ", ".join(figures))
     click.echo(f"wrote {policy_dir / 'adapter_model.safetensors'} and {policy_dir / 'policy.json'}")
 
 

@@ -29,15 +29,19 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from policyscan.kernels.fast_math import rcp
 from policyscan.kernels.gluon_hopper import tma_load, tma_store
 from policyscan.kernels.launch import sm_count, tma_ok
-from policyscan.kernels.tuning import (GP_BKS, GP_BM, GP_BP, GP_MAXNREG, GP_PROGRAMS_PER_SM, GP_STAGES, GP_SUB,
-                                       GP_WARPS)
+from policyscan.kernels.tuning import GP_BKS, GP_BM, GP_BP, GP_MAXNREG, GP_PROGRAMS_PER_SM, GP_STAGES, GP_SUB, GP_WARPS
 
 
 @gluon.jit

@@ -25,13 +25,18 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from policyscan.kernels.fast_math import bf16_to_f32, silu_mul, to_bf16
-from policyscan.kernels.gluon_hopper import smem_layout, tma_load, tma_store
 from policyscan.kernels.gluon_expand import expand_tile
+from policyscan.kernels.gluon_hopper import smem_layout, tma_load, tma_store
 from policyscan.kernels.gluon_rope import rope_regs
 from policyscan.kernels.launch import sm_count, tma_ok
 from policyscan.kernels.reference import RopeCols

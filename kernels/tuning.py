@@ -115,14 +115,15 @@ GP_WARPS, GP_MAXNREG = 4, 128  # the register cap only with two programs an SM
 def attention_tiles(G: int, D: int, interpret: bool) -> dict:
     """Query rows (BQ queries of G heads), key block BN, warps, stages and register cap for heads of width D.
 
-    BQ * G <= 64 rows (16 queries of 4 heads at W4's group, 21 of 3 at W1's), 32-key blocks, 4 warps, 3 stages:
-    the best of 32 configs at both heads (bench/sweep.py attention; W1's group then padded to 4 heads), faster
-    than one head a program, with bitwise the same rows. maxnreg 168: three programs an SM instead of two (254
-    registers at W1's heads then, rotating q), faster at W1's heads. On q rotated by the qkv GEMM, 128-wide heads
-    take 2 stages and maxnreg 128 (four programs an SM), a gain end to end at W1 that lost at W4's 64-wide heads,
-    so narrower heads keep 3 stages and 168. Heads wider than 128 do not fit 4 warps' registers: 8 warps. Rescaling the accumulator only when a row maximum grows past 2^8
-    (FlashAttention-4's lazy rescale: a block-wide branch) lost end to end; exp2 as ex2.approx.ftz changed nothing
-    (docs/performance.md)."""
+    BQ * G <= 64 rows (16 queries of 4 heads at W4's group, 21 of 3 at W1's), 32-key blocks, 4 warps, 3 stages: the
+    best of 32 configs at both heads (bench/sweep.py attention; W1's group then padded to 4 heads), faster than one
+    head a program, with bitwise the same rows. maxnreg 168: three programs an SM instead of two (254 registers at
+    W1's heads then, rotating q), faster at W1's heads. On q rotated by the qkv GEMM, 128-wide heads take 2 stages
+    and maxnreg 128 (four programs an SM), a gain end to end at W1 that lost at W4's 64-wide heads, so narrower
+    heads keep 3 stages and 168. Heads wider than 128 do not fit 4 warps' registers: 8 warps. Rescaling the
+    accumulator only when a row maximum grows past 2^8 (FlashAttention-4's lazy rescale: a block-wide branch) lost
+    end to end; exp2 as ex2.approx.ftz changed nothing (docs/performance.md).
+    """
     if interpret:
         return dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1)
     if D > 128:  # Gemma 3's 256-wide heads: a 64-row accumulator needs 8 warps' registers, uncapped

@@ -21,8 +21,14 @@ from policyscan.engine.inputs.discover import SUFFIXES, expand_inputs  # noqa: F
 from policyscan.engine.inputs.jsonl import read_jsonl
 
 # public here: the readers' types
-from policyscan.engine.inputs.rows import (Chunk, PartialFileError, ReadSpec, clip, conversation,  # noqa: F401
-                                           pick_column)
+from policyscan.engine.inputs.rows import (  # noqa: F401
+    Chunk,
+    PartialFileError,
+    ReadSpec,
+    clip,
+    conversation,
+    pick_column,
+)
 
 Lost = tuple[int, str]  # rows of a row group that could not be read, and why
 

@@ -185,7 +185,8 @@ def _stack(cfg: ModelConfig, layer: int, projs: tuple[str, ...], policies: list[
         return None
     K = cfg.proj_shape(projs[0])[1]
     outs = [cfg.proj_shape(p)[0] for p in projs]
-    # built in place on the device: zeroing, copying and converting them on the CPU slowed the load (docs/performance.md)
+    # built in place on the device: zeroing, copying and converting them on the CPU slowed the load
+    # (docs/performance.md)
     A = torch.zeros(len(policies), R, K, dtype=dtype, device=device)
     B = torch.zeros(len(policies), sum(outs), R, dtype=dtype, device=device)
     for n, pol in enumerate(policies):
