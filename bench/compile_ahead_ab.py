@@ -9,19 +9,15 @@ on a new empty Triton cache, the two modes alternating, then one warm run; a mar
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import prepare  # noqa: E402
+from startup import run as score_once  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
-SPLIT = re.compile(r"time ([\d.]+) s = (.*)")
 OFF = """import sys
 import policyscan.engine.warmup.compile_start as start
 start.will_compile = lambda argv, env: False
@@ -38,19 +34,8 @@ main()
 
 
 def score(root: Path, src: Path, name: str, mode: str, cache: Path) -> tuple[float, str]:
-    out = root / "ab_out.parquet"
-    for stale in (out, out.with_name(out.name + ".errors.jsonl")):
-        stale.unlink(missing_ok=True)
-    head = ["-m", "policyscan.cli.main"] if mode == "on" else ["-c", OFF]
-    cmd = [sys.executable, *head, "score", str(src), "-o", str(out), "--model", str(root / "model"), "--policies",
-           str(root / "bundles"), "--device", "cuda", "--max-length", str(WORKLOADS[name].max_length), "--no-progress"]
-    t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TRITON_CACHE_DIR=str(cache)))
-    wall = time.perf_counter() - t0
-    if res.returncode != 0:
-        raise SystemExit(f"policyscan score ({mode}) failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
-    m = SPLIT.search(res.stdout)
-    return wall, m.group(0) if m else res.stdout.strip().splitlines()[-1]
+    head = ("-m", "policyscan.cli.main") if mode == "on" else ("-c", OFF)
+    return score_once(root, src, "cuda", cache, ["--max-length", str(WORKLOADS[name].max_length)], head)
 
 
 def main() -> None:

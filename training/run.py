@@ -64,13 +64,12 @@ class TrainJob:
             raise OptionError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainResult:
     examples: Examples
     fit: Fit
     parity: bundle.Parity
     record: dict
-    errors: int
 
 
 def train_policy(job: TrainJob, progress: Callable[[str, float], None] | None = None,
@@ -93,7 +92,6 @@ def train_policy(job: TrainJob, progress: Callable[[str, float], None] | None = 
         result = _train(job, policy, device, precision, ckpt, label_ids, examples, progress, say)
         moves, remove = errors.finish()
         commit_together(moves, remove)
-        result.errors = examples.errors
         return result
     except BaseException:
         errors.abort()
@@ -138,12 +136,12 @@ def _train(job: TrainJob, policy: Policy, device: torch.device, precision: str, 
         before = bundle.holdout_metrics(1.0 / (1.0 + np.exp(-f_engine)), y, policy.threshold)
         after = bundle.holdout_metrics(platt(f_engine), y, policy.threshold)
         fp8 = bundle.fp8_check(job.model_dir, stage, settings, examples.holdout, platt, policy.threshold)
-        record = _record(job, ckpt, examples, result, check, before, after, precision, deterministic)
+        record = _record(job, ckpt, examples, result, check, before, after, precision, device, deterministic)
         bundle.write_record(stage, platt, _calibration_provenance(job, examples), fp8, record)
         bundle.commit(stage, job.policy_dir)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    return TrainResult(examples, result, check, record, 0)
+    return TrainResult(examples, result, check, record)
 
 
 def _fp32_verdicts(job: TrainJob, label_ids: tuple[int, int], device: torch.device, precision: str,
@@ -194,7 +192,7 @@ def _calibration_provenance(job: TrainJob, ex: Examples) -> dict:
 
 
 def _record(job: TrainJob, ckpt: Checkpoint, ex: Examples, result: Fit, check: bundle.Parity, before: dict,
-            after: dict, precision: str, deterministic: str) -> dict:
+            after: dict, precision: str, device: torch.device, deterministic: str) -> dict:
     return {
         "files": [{"path": os.path.relpath(p.resolve(), job.policy_dir.resolve()), "sha256": sha}
                   for p, sha in zip(job.files, _shas(job.files))],
@@ -202,7 +200,7 @@ def _record(job: TrainJob, ckpt: Checkpoint, ex: Examples, result: Fit, check: b
         "lora": {"rank": job.lora.rank, "alpha": job.lora.alpha, "targets": list(job.lora.targets),
                  "rslora": job.lora.rslora},
         "loop": asdict(job.loop), "holdout_fraction": job.holdout, "max_length": job.max_length,
-        "precision": precision, "device": str(resolve_device(job.device)), "deterministic_algorithms": deterministic,
+        "precision": precision, "device": str(device), "deterministic_algorithms": deterministic,
         "epochs_run": len(result.epochs), "best_epoch": result.best_epoch,
         "untrained": asdict(result.initial), "epochs": [asdict(e) for e in result.epochs],
         "tokens": result.tokens, "seconds": round(result.seconds, 3),
