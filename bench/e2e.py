@@ -3,6 +3,10 @@ against the engine figure (the same model, policies and prompts as token ids, En
 the same run.
 
     python bench/e2e.py --workload W1 --dir /tmp/e2e [--device cuda]
+    python bench/e2e.py --workload W5 --precision fp8,bf16 --hf --no-engine   # W5's targets, in one call
+
+--precision runs `policyscan score` once per value; --hf adds transformers + PEFT bf16 on the same prompts,
+loaded from the same files, in the same call, and every run's ratio to it.
 
 Stand-ins, since nothing can be downloaded: random bf16 weights saved by transformers and random PEFT adapters
 (r = 16 on all seven projections), and the sample model's byte-level BPE tokenizer (vocab 1024) in place of
@@ -30,11 +34,12 @@ from synth import conversations  # noqa: E402
 from workloads import WORKLOADS, hf_peft_model, shape, workload_lengths  # noqa: E402
 
 from policyscan.engine.inputs.rows import clip_chars  # noqa: E402
-from policyscan.engine.run.pipeline import encoded_inputs  # noqa: E402
+from policyscan.engine.inputs.sources import ReadSpec  # noqa: E402
 from policyscan.engine.policy.bundle import load_policies  # noqa: E402
+from policyscan.engine.run.pipeline import encoded_inputs  # noqa: E402
 from policyscan.engine.run.runner import Engine  # noqa: E402
 from policyscan.engine.settings import EngineSettings  # noqa: E402
-from policyscan.engine.inputs.sources import ReadSpec  # noqa: E402
+from policyscan.engine.text.prompts import PolicyPrompts  # noqa: E402
 
 POLICY_PREFIX = "Policy {a}: the assistant must follow rule {a} of the compliance handbook.\nConversation:\n"
 
@@ -95,14 +100,65 @@ def engine_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
     return tokens, dt
 
 
-def cli_figure(root: Path, src: Path, device: str) -> tuple[int, float, float]:
+def hf_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
+    """transformers + PEFT bf16 from the checkpoint files on score's own prompts (the same file read and encoded as
+    the CLI does): per-policy loop, length-sorted batches of 32, left padding, SDPA, logits_to_keep=1, the two
+    label logits; LoRA weights cast to bf16 (PEFT keeps them in fp32, 1.56x slower on W1). Timed after a warm-up
+    batch."""
+    import transformers as tf
+    from peft import PeftModel
+
+    policies = load_policies([root / "bundles"])
+    pp = PolicyPrompts.for_policies(root / "model", policies, WORKLOADS[src.stem].max_length)
+    chunks = list(encoded_inputs(pp, [src], ReadSpec(max_chars=clip_chars(WORKLOADS[src.stem].max_length))))
+    convs = [c for _, chunk_convs in chunks for c in chunk_convs]
+    model = tf.AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = PeftModel.from_pretrained(model.to(device), root / "bundles" / policies[0].name, adapter_name=policies[0].name)
+    for p in policies[1:]:
+        model.load_adapter(root / "bundles" / p.name, adapter_name=p.name)
+    for n, prm in model.named_parameters():
+        if "lora_" in n:
+            prm.data = prm.data.to(torch.bfloat16)
+    model.eval()
+
+    def run(limit: int | None = None) -> int:
+        tokens = 0
+        with torch.inference_mode():
+            for policy, builder in zip(policies[: 1 if limit else None], pp.builders):
+                model.set_adapter(policy.name)
+                ids_c, ids_v = pp.encoder.verdict_ids(policy)
+                prompts = sorted((builder.build(c)[0] for c in convs[:limit]), key=len)
+                for i in range(0, len(prompts), 32):
+                    chunk = prompts[i:i + 32]
+                    n = max(map(len, chunk))
+                    ids = torch.zeros(len(chunk), n, dtype=torch.long)
+                    mask = torch.zeros(len(chunk), n, dtype=torch.long)
+                    for r, c in enumerate(chunk):
+                        ids[r, n - len(c):] = torch.as_tensor(c)
+                        mask[r, n - len(c):] = 1
+                    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), logits_to_keep=1).logits
+                    (logits[:, -1, ids_v] - logits[:, -1, ids_c]).float().cpu()
+                    tokens += sum(map(len, chunk))
+        return tokens
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    run(limit=32)
+    sync()
+    t0 = time.perf_counter()
+    tokens = run()
+    sync()
+    return tokens, time.perf_counter() - t0
+
+
+def cli_figure(root: Path, src: Path, device: str, precision: str = "auto") -> tuple[int, float, float]:
     """`policyscan score` in a fresh process: its own figure (reading, tokenizing, scoring, writing) and the
     process's wall time (adds loading the model, compiling or loading kernels, hashing the checkpoint)."""
     out = root / "out.parquet"
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "policyscan.cli.main", "score", str(src), "-o", str(out),
                           "--model", str(root / "model"), "--policies", str(root / "bundles"),
-                          "--device", device, "--max-length", str(WORKLOADS[src.stem].max_length), "--no-progress"],
+                          "--device", device, "--max-length", str(WORKLOADS[src.stem].max_length), "--no-progress",
+                          "--precision", precision],
                          capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
@@ -130,15 +186,31 @@ def main() -> None:
     ap.add_argument("--workload", default="W1")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/e2e"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--precision", default="auto", help="comma-separated: one `policyscan score` run for each")
+    ap.add_argument("--hf", action="store_true", help="also transformers + PEFT bf16 on the same prompts and files")
+    ap.add_argument("--no-engine", action="store_true", help="leave out the engine figure (token ids in)")
     args = ap.parse_args()
     root, src = prepare(args.dir, args.workload, args.device)
-    tokens, dt = engine_figure(root, src, args.device)
-    print(f"{args.workload} engine (token ids in): {tokens:,} tokens in {dt:.2f} s = {tokens / dt:,.0f} tok/s",
-          flush=True)
-    cli_tokens, cli_s, wall = cli_figure(root, src, args.device)
-    print(f"{args.workload} E2E (policyscan score, Parquet text in and out): {cli_tokens:,} tokens in {cli_s:.2f} s "
-          f"= {cli_tokens / cli_s:,.0f} tok/s, {cli_tokens / cli_s / (tokens / dt):.2f}x the engine; "
-          f"process wall {wall:.1f} s")
+    rows = []
+    if not args.no_engine:
+        tokens, dt = engine_figure(root, src, args.device)
+        print(f"{args.workload} engine (token ids in): {tokens:,} tokens in {dt:.2f} s = {tokens / dt:,.0f} tok/s",
+              flush=True)
+        rows.append(("engine, token ids in", tokens, dt, None))
+    for precision in args.precision.split(","):
+        cli_tokens, cli_s, wall = cli_figure(root, src, args.device, precision)
+        print(f"{args.workload} E2E {precision} (policyscan score, Parquet text in and out): {cli_tokens:,} tokens in "
+              f"{cli_s:.2f} s = {cli_tokens / cli_s:,.0f} tok/s; process wall {wall:.1f} s", flush=True)
+        rows.append((f"policyscan score --precision {precision}", cli_tokens, cli_s, wall))
+    if args.hf:
+        tokens, dt = hf_figure(root, src, args.device)
+        rows.append(("transformers + PEFT bf16", tokens, dt, None))
+    base = rows[-1][1] / rows[-1][2] if args.hf else None
+    print(f"\n{args.workload}: {'run':<40}{'tokens':>11}{'seconds':>9}{'tok/s':>10}{'vs HF':>7}{'wall s':>8}")
+    for name, tokens, dt, wall in rows:
+        ratio = f"{tokens / dt / base:.2f}x" if base else ""
+        print(f"{args.workload}: {name:<40}{tokens:>11,}{dt:>9.2f}{tokens / dt:>10,.0f}{ratio:>7}"
+              f"{'' if wall is None else f'{wall:.1f}':>8}", flush=True)
 
 
 if __name__ == "__main__":

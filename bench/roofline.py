@@ -1,6 +1,6 @@
 """Where a workload's time goes, kernel by kernel, against the roofline (docs/performance.md, Ceilings).
 
-    python bench/roofline.py --workloads W1,W4
+    python bench/roofline.py --workloads W1,W4 [--bf16]
 
 One eager pass (CUDA events around every kernel call; W1's and W4's batches are all above the 4096-token graph
 limit but the last) after a warm one; per kind of call: GPU time, the work counted from the shapes (FLOPs of
@@ -115,10 +115,10 @@ def copy_rate() -> float:
     return 2 * n / best
 
 
-def profile(name: str, budget: int, sampler: PowerSampler | None, copy_bps: float) -> None:
+def profile(name: str, budget: int, sampler: PowerSampler | None, copy_bps: float, fp8: bool = True) -> None:
     w = WORKLOADS[name]
     cfg = shape(w.model)
-    dec = random_decoder(cfg, w.adapters, 16, triton_ops, device=DEVICE)
+    dec = random_decoder(cfg, w.adapters, 16, triton_ops, device=DEVICE, fp8=fp8)
     seqs, ads, prefixes = prompts(w, cfg.vocab)
     run = engine_pass(dec, prefixes, graphs=False)
     run(seqs, ads, budget)  # warm: every kernel variant loaded
@@ -147,7 +147,8 @@ def profile(name: str, budget: int, sampler: PowerSampler | None, copy_bps: floa
         agg[kind] += (sec, flops, moved, max(flops / peak, moved / copy_bps))
     tokens = sum(map(len, seqs)) + sum(len(prefixes[a]) for a in ads)
     total = sum(v[0] for v in agg.values())
-    print(f"\n{name}: {tokens:,} tokens; pass {plain:.3f} s untimed ({tokens / plain:,.0f} tok/s), {timed:.3f} s with "
+    print(f"\n{name} {'FP8' if fp8 else 'bf16'}: {tokens:,} tokens; pass {plain:.3f} s untimed "
+          f"({tokens / plain:,.0f} tok/s), {timed:.3f} s with "
           f"events; kernels {total:.3f} s; {describe(power)}; roofline at {mhz:.0f} MHz: FP8 "
           f"{FLOP_PER_CLK_SM[1] * sms * mhz / 1e6:.0f} TF/s, bf16 {FLOP_PER_CLK_SM[2] * sms * mhz / 1e6:.0f}, "
           f"copy {copy_bps / 1e12:.2f} TB/s (measured)")
@@ -170,11 +171,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="W1,W4")
     ap.add_argument("--budget", type=int, default=EngineSettings.batch_tokens)
+    ap.add_argument("--bf16", action="store_true", help="the bf16 weights' pass instead of FP8's")
     args = ap.parse_args()
     sampler = PowerSampler() if DEVICE == "cuda" else None
     copy_bps = copy_rate()
     for name in args.workloads.split(","):
-        profile(name, args.budget, sampler, copy_bps)
+        profile(name, args.budget, sampler, copy_bps, fp8=not args.bf16)
     if sampler:
         sampler.close()
 

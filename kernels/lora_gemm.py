@@ -178,10 +178,10 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
     expand costs little, takes every rank). rope: q and k heads rotated as written (RopeCols): in the Gluon
     kernel's epilogue where it can (lora_gemm_ws.rope_ok), otherwise by the pass after (rope.rope_cols).
 
-    FP8 batches of tuning.WS_MIN_ROWS rows or more on a Hopper GPU go to the warp-specialized Gluon kernel
-    (lora_gemm_ws.py), faster than the Triton kernel at W1's and W4's shapes (bench/sweep.py gemm_ws,
-    docs/performance.md). Both give bitwise the same rows (every case checked there, and
-    tests/test_kernels.py::test_fp8_gemm_kernels_agree_bitwise), so the choice by M keeps batch invariance.
+    FP8 and bf16 batches of tuning.WS_MIN_ROWS rows or more on a Hopper GPU go to the warp-specialized Gluon kernel
+    (lora_gemm_ws.py), faster than the Triton kernel at W1's, W4's and W5's shapes (bench/sweep.py gemm_ws,
+    bench/gemm_table.py, docs/performance.md). Both give bitwise the same rows (every case checked there, and
+    tests/test_kernels.py::test_gemm_kernels_agree_bitwise), so the choice by M keeps batch invariance.
     Stacked ranks over 64 (r = 32 on q, k and v is 96) take the Gluon kernel at the same M, its expand in 64-rank
     pieces: the Triton kernel's 128x256 tiles spill at BR = 128 (2.7 KB a thread compiled for sm_90a, against
     1.0 KB at 64), and the Gluon kernel ran such ranks several times faster (docs/performance.md).
@@ -220,7 +220,7 @@ def lora_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_
         raise ValueError(f"out must be [{M}, {n_out}] {out_dtype} with a contiguous last dimension")
     y = out if out is not None else torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     # small batches stay on the Triton kernel (tuning.WS_MIN_ROWS says why)
-    if (not config and not gelu and M >= WS_MIN_ROWS and lora_gemm_ws is not None and x_scale is not None
+    if (not config and not gelu and M >= WS_MIN_ROWS and lora_gemm_ws is not None
             and lora_gemm_ws.usable(x, W, y, residual, B)):
         amax = torch.empty((triton.cdiv(N, WS_BN), M), dtype=torch.float32, device=x.device) \
             if row_amax else None

@@ -1,6 +1,6 @@
-"""Warp-specialized ping-pong FP8 GEMM + multi-LoRA expand (+ bias, + residual) (+ SiLU-and-mul), Hopper.
+"""Warp-specialized ping-pong FP8 or bf16 GEMM + multi-LoRA expand (+ bias, + residual) (+ SiLU-and-mul), Hopper.
 
-Semantics: y = (x @ W.T) * (x_scale[:, None] * w_scale[None, :]) + s.to(B.dtype) @ B[token_adapter].T
+Semantics: y = (x @ W.T) (* (x_scale[:, None] * w_scale[None, :]), FP8 only) + s.to(B.dtype) @ B[token_adapter].T
 (+ bias) (+ residual), fp32 accumulation, one rounding to y's dtype; with silu_out, W's rows alternate
 gate and up and y = silu(y[:, 0::2]) * y[:, 1::2]; with amax, amax[n, m] = max |y[m] (* amax_weight)| over
 tile n's columns — reference.lora_gemm, as kernels.lora_gemm.
@@ -13,10 +13,11 @@ the other runs the previous tile's epilogue. The residual arrives by TMA during 
 leaves by TMA (pointer tiles spilled 744-904 bytes a thread). The multi-LoRA expand is gluon_expand.py's, the
 SiLU-and-mul fast_math.py's (the Triton kernel's instructions, so the same bits), the rope gluon_rope.py's.
 At 16k rows it is faster than the Triton kernel and torch._scaled_mm at each of W1's four projections, with 4
-stages (5 fit only at gate_up, and were slower there). Cooperative 128x256 tiles (two m64n256 consumers sharing W
+stages (5 fit only at gate_up, and were slower there). bf16 runs the same schedule with 64-wide K steps (a stage
+is 32 KB either way), as the Triton kernel's bf16 BK, so that both give the same rows. Cooperative 128x256 tiles (two m64n256 consumers sharing W
 tiles, as DeepGEMM) gave the same rows at about this speed and nothing end to end (docs/performance.md).
 Batch invariance: BK is fixed and one warpgroup reduces K in order, with the Triton kernel's MMA instructions in
-its order: the rows are bitwise that kernel's (test_fp8_gemm_kernels_agree_bitwise), so lora_gemm picks by M.
+its order: the rows are bitwise that kernel's (test_gemm_kernels_agree_bitwise), so lora_gemm picks by M.
 CPU: Gluon has no interpreter; the same semantics run in lora_gemm.py's Triton kernel under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ from policyscan.kernels.gluon_rope import rope_regs
 from policyscan.kernels.launch import sm_count, tma_ok
 from policyscan.kernels.reference import RopeCols
 from policyscan.kernels.spans import RankSpans
-from policyscan.kernels.tuning import WS_BK, WS_BM, WS_BN, WS_MAXNREG, WS_STAGES, WS_WARPS, ws_group_m
+from policyscan.kernels.tuning import WS_BM, WS_BN, WS_MAXNREG, WS_STAGES, WS_WARPS, ws_bk, ws_group_m
 
 
 @gluon.jit
@@ -99,11 +100,13 @@ def _consume(args, flags, ROLE: gl.constexpr):
     HAS_SPAN: gl.constexpr = flags[9]
     RK: gl.constexpr = flags[10]  # ranks a tile expands: the span width, or R padded
     ROPE_HALF: gl.constexpr = flags[11]  # half a head's width when q and k are rotated here (gluon_rope.py), or 0
+    SCALED: gl.constexpr = flags[12]  # FP8 operands with row scales; bf16 has none
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     S: gl.constexpr = a_bufs.type.shape[0]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    MMA_K: gl.constexpr = 32 if SCALED else 16  # K of one wgmma instruction: 32 bytes of each operand row
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, MMA_K])
     # the expand's bf16 MMA (k = 16 per instruction); the accumulator's registers are laid out the same
     mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     rows: gl.constexpr = gl.SliceLayout(1, mma16)
@@ -144,9 +147,10 @@ def _consume(args, flags, ROLE: gl.constexpr):
         rn = off_n + gl.arange(0, BN, layout=cols)
         m_ok = rm < M
         n_ok = rn < N
-        xs = gl.load(xs_ptr + rm, mask=m_ok, other=0.0)
-        ws = gl.load(ws_ptr + rn, mask=n_ok, other=0.0)
-        acc = acc * xs[:, None] * ws[None, :]
+        if SCALED:
+            xs = gl.load(xs_ptr + rm, mask=m_ok, other=0.0)
+            ws = gl.load(ws_ptr + rn, mask=n_ok, other=0.0)
+            acc = acc * xs[:, None] * ws[None, :]
         if HAS_LORA:
             acc = expand_tile(acc, l_smem, off_m, off_n, pid_n, M, N, R, s_ptr, b_ptr, ad_ptr, span_ptr, stride_sm,
                               stride_bn_a, stride_bn, HAS_SPAN, WIDE, RK)
@@ -201,7 +205,7 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
                          HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                          SILU_OUT: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS: gl.constexpr,
                          AMAX: gl.constexpr, AMAX_W: gl.constexpr, STAGES: gl.constexpr, BR: gl.constexpr,
-                         ROPE_HALF: gl.constexpr):
+                         ROPE_HALF: gl.constexpr, SCALED: gl.constexpr):
     BN: gl.constexpr = w_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -228,20 +232,21 @@ def _lora_gemm_ws_kernel(x_desc, w_desc, y_desc, r_desc, xs_ptr, ws_ptr, s_ptr, 
     # 40 for the loader fill the 64K register file at maxnreg=168 (CUTLASS's ping-pong split).
     gl.warp_specialize([
         (_consume_even, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64,
-                                 HAS_SPAN, BR, ROPE_HALF))),
+                                 HAS_SPAN, BR, ROPE_HALF, SCALED))),
         (_consume_odd, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64,
-                                 HAS_SPAN, BR, ROPE_HALF))),
+                                 HAS_SPAN, BR, ROPE_HALF, SCALED))),
         (_load, (args, (HAS_LORA, HAS_BIAS, HAS_RES, SILU_OUT, GROUP_M, NUM_PROGS, AMAX, AMAX_W, BR > 64,
-                                 HAS_SPAN, BR, ROPE_HALF))),
+                                 HAS_SPAN, BR, ROPE_HALF, SCALED))),
     ], [4, 1], [232, 40])
 
 
 def usable(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor, residual: torch.Tensor | None,
            B: torch.Tensor | None) -> bool:
-    """Whether lora_gemm_ws takes this call: FP8 in, bf16 out on a Hopper GPU, TMA-able operands, bf16 B of any
-    rank (past 64 the expand goes in 64-rank pieces: a [128, 64] B slice per consumer is what fits beside the
+    """Whether lora_gemm_ws takes this call: FP8 or bf16 in, bf16 out on a Hopper GPU, TMA-able operands, bf16 B of
+    any rank (past 64 the expand goes in 64-rank pieces: a [128, 64] B slice per consumer is what fits beside the
     stages and output tiles, ~230,000 of the 232,448 bytes of shared memory a block may have)."""
-    return (x.is_cuda and x.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(x.device)[0] == 9
+    return (x.is_cuda and x.dtype in (torch.float8_e4m3fn, torch.bfloat16) and W.dtype == x.dtype
+            and torch.cuda.get_device_capability(x.device)[0] == 9
             and y.dtype == torch.bfloat16 and (residual is None or residual.dtype == torch.bfloat16)
             and (B is None or B.dtype == torch.bfloat16)
             and tma_ok(*(t for t in (x, W, y, residual) if t is not None)))
@@ -254,13 +259,14 @@ def rope_ok(rope: RopeCols) -> bool:
     return WS_BN % rope.head_dim == 0 and rope.head_dim >= 64 and not rope.normed and rope.packed is not None
 
 
-def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scale: torch.Tensor,
+def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor | None, W: torch.Tensor, w_scale: torch.Tensor | None,
                  s: torch.Tensor | None, B: torch.Tensor | None, token_adapter: torch.Tensor,
                  bias: torch.Tensor | None, residual: torch.Tensor | None, y: torch.Tensor,
                  silu_out: bool = False, amax: torch.Tensor | None = None,
                  amax_weight: torch.Tensor | None = None, spans: RankSpans | None = None,
                  rope: RopeCols | None = None, group_m: int | None = None) -> torch.Tensor:
-    """Launcher for FP8 x [M, K] and W [N, K] (row scales x_scale [M], w_scale [N]) into y; the caller,
+    """Launcher for FP8 x [M, K] and W [N, K] with row scales x_scale [M], w_scale [N] (bf16 x and W without) into
+    y; the caller,
     kernels.lora_gemm.lora_gemm, has checked the other arguments and `usable`. amax [cdiv(N, WS_BN), M] fp32,
     when given, receives each tile's row maxima of |y| (of |y * amax_weight| with that [N] weight); spans
     (kernels.spans, for blocks of WS_BN columns) narrows each tile's expand; rope: q and k rotated as they are
@@ -270,14 +276,16 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
     if amax is not None and (amax.shape != (triton.cdiv(N, WS_BN), M) or amax.dtype != torch.float32
                              or not amax.is_contiguous()):
         raise ValueError(f"amax must be a contiguous fp32 [{triton.cdiv(N, WS_BN)}, {M}]")
-    if not usable(x, W, y, residual, B) or x_scale is None or w_scale is None:
-        raise ValueError("lora_gemm_ws takes FP8 x and W with row scales on a Hopper GPU, TMA-aligned rows, "
-                         "bf16 B; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
+    fp8 = x.dtype == torch.float8_e4m3fn
+    if not usable(x, W, y, residual, B) or (x_scale is None) == fp8 or (w_scale is None) == fp8:
+        raise ValueError("lora_gemm_ws takes FP8 x and W with row scales, or bf16 x and W without, on a Hopper GPU, "
+                         "TMA-aligned rows, bf16 B; use kernels.lora_gemm.lora_gemm, which falls back otherwise")
     if rope is not None and not (rope_ok(rope) and not silu_out and amax is None):
         raise ValueError("lora_gemm_ws rotates heads of 64 or 128 columns without norms, from packed tables "
                          "(reference.pack_rope), in a plain epilogue")
-    xd = TensorDescriptor.from_tensor(x, [WS_BM, WS_BK], smem_layout(WS_BM, WS_BK, True))
-    wd = TensorDescriptor.from_tensor(W, [WS_BN, WS_BK], smem_layout(WS_BN, WS_BK, True))
+    bk = ws_bk(x.dtype)
+    xd = TensorDescriptor.from_tensor(x, [WS_BM, bk], smem_layout(WS_BM, bk, fp8))
+    wd = TensorDescriptor.from_tensor(W, [WS_BN, bk], smem_layout(WS_BN, bk, fp8))
     y_block = [WS_BM, WS_BN // 2 if silu_out else WS_BN]
     yd = TensorDescriptor.from_tensor(y, y_block, smem_layout(*y_block, False))
     rd = TensorDescriptor.from_tensor(residual, [WS_BM, WS_BN], yd.layout) if residual is not None else yd
@@ -293,15 +301,17 @@ def lora_gemm_ws(x: torch.Tensor, x_scale: torch.Tensor, W: torch.Tensor, w_scal
             raise ValueError(f"spans has {spans.start.numel()} blocks on {spans.start.device}, "
                              f"N = {N} needs {triton.cdiv(N, WS_BN)} on {x.device}")
         BR = spans.width
+    f32 = x_scale if fp8 else token_adapter  # where a pointer argument is unused
     _lora_gemm_ws_kernel[(min(tiles, sms),)](
-        xd, wd, yd, rd, x_scale, w_scale, s if s is not None else x_scale, B if B is not None else y,
-        token_adapter, bias if bias is not None else y, amax if amax is not None else x_scale,
-        amax_weight if amax_weight is not None else x_scale, spans.start if use_spans else token_adapter,
+        xd, wd, yd, rd, f32, w_scale if fp8 else f32, s if s is not None else f32, B if B is not None else y,
+        token_adapter, bias if bias is not None else y, amax if amax is not None else f32,
+        amax_weight if amax_weight is not None else f32, spans.start if use_spans else token_adapter,
         *((rope.positions, rope.packed, rope.cols) if rope is not None else (token_adapter, token_adapter, 0)),
         M, N, K, R,
         s.stride(0) if s is not None else 0, B.stride(0) if B is not None else 0, B.stride(1) if B is not None else 0,
         HAS_LORA=s is not None, HAS_SPAN=use_spans, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SILU_OUT=silu_out, GROUP_M=group_m, NUM_PROGS=sms, AMAX=amax is not None, AMAX_W=amax_weight is not None,
-        STAGES=WS_STAGES, BR=BR, ROPE_HALF=rope.head_dim // 2 if rope is not None else 0, num_warps=WS_WARPS,
+        STAGES=WS_STAGES, BR=BR, ROPE_HALF=rope.head_dim // 2 if rope is not None else 0, SCALED=fp8,
+        num_warps=WS_WARPS,
         maxnreg=WS_MAXNREG)
     return y

@@ -53,7 +53,13 @@ def gemm_tiles(M: int, N: int, dtype: torch.dtype, interpret: bool) -> dict:
 
 # 128x128 tiles, one per consumer warpgroup; 4 stages of 32 KB + two 32 KB output tiles + two B slices: 200 KB of
 # the 227 KB of shared memory (5 stages fit only at gate_up, and were slower there; docs/performance.md)
-WS_BM, WS_BN, WS_BK, WS_STAGES = 128, 128, 128, 4
+WS_BM, WS_BN, WS_STAGES = 128, 128, 4
+
+
+def ws_bk(dtype: torch.dtype) -> int:
+    """The Gluon GEMM's K step: 128 FP8 or 64 bf16 columns, 32 KB of x and W tiles a stage either way. It is the
+    Triton kernel's BK for the dtype (gemm_tiles), so that the two kernels reduce K in the same order."""
+    return 128 if dtype == torch.float8_e4m3fn else 64
 WS_WARPS, WS_MAXNREG = 4, 168  # what the kernel's register split (232 a consumer, 40 the loader) is sized for
 
 

@@ -218,21 +218,28 @@ def _check_varlen_attention(device, window, last_only, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("residual,bias,silu", [(False, False, False), (True, False, False), (False, True, True)])
-def test_fp8_gemm_kernels_agree_bitwise(residual, bias, silu):
-    """On Hopper, FP8 batches of over 1024 rows go to the warp-specialized Gluon kernel and smaller ones to the
-    Triton kernel (also the fallback for operands TMA cannot take): both must give the same bits, so that no
-    batch size changes a row."""
+def test_gemm_kernels_agree_bitwise(fp8, residual, bias, silu):
+    """On Hopper, FP8 and bf16 batches of over 1024 rows go to the warp-specialized Gluon kernel and smaller ones to
+    the Triton kernel (also the fallback for operands TMA cannot take): both must give the same bits, whichever
+    tiles the Triton kernel takes, so that no batch size changes a row. Outputs poisoned with NaN first."""
     from policyscan.kernels import lora_gemm_ws
+    from policyscan.kernels.tuning import gemm_tiles
     g = gen()
     for M, N, K, r, n_ad in GPU_GEMM_SHAPES:
         N += N % 2 if silu else 0
-        case, _ = gemm_case(M, N, K, r, n_ad, torch.bfloat16, True, residual, bias, g, "cuda")
+        case, _ = gemm_case(M, N, K, r, n_ad, torch.bfloat16, fp8, residual, bias, g, "cuda")
         ws_ = torch.full((M, N // 2 if silu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
         assert lora_gemm_ws.usable(case["x"], case["W"], ws_, case["residual"], case["B"])
         lora_gemm_ws.lora_gemm_ws(*case.values(), ws_, silu)
-        tri = lora_gemm(**case, out_dtype=torch.bfloat16, silu_out=silu, config={"TMA": True, "PERSISTENT": True})
-        assert torch.equal(ws_, tri), f"M={M} N={N} K={K} r={r} n={n_ad} residual={residual} bias={bias} silu={silu}"
+        dtype = case["x"].dtype
+        # the Triton kernel's tiles for a small and for a large batch of this dtype (bf16: 64 and 128 rows)
+        for rows in (256, 4096):
+            cfg = gemm_tiles(rows, N, dtype, False)
+            tri = lora_gemm(**case, out_dtype=torch.bfloat16, silu_out=silu, config=cfg)
+            assert torch.equal(ws_, tri), \
+                f"M={M} N={N} K={K} r={r} n={n_ad} {dtype} residual={residual} bias={bias} silu={silu} {cfg}"
 
 
 @pytest.mark.gpu
