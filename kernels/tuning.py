@@ -15,10 +15,11 @@ import triton
 
 # --- lora_gemm.py: the Triton GEMM ---
 
-# FP8 batches of this many rows or more take the Gluon GEMM on Hopper. Below, the Triton kernel wins at every rank,
-# spilling or not: at a few hundred rows the ping-pong's 128x128 tiles leave each program one tile, so nothing
-# overlaps (bench/run.py --gemm). Past 1024 rows the Gluon kernel is ahead on W1's and W4's four GEMMs, and at 768
-# not yet (docs/performance.md).
+# FP8 and bf16 batches of this many rows or more take the Gluon GEMM on Hopper. Below, the Triton kernel wins in FP8
+# at every rank, spilling or not: at a few hundred rows the ping-pong's 128x128 tiles leave each program one tile, so
+# nothing overlaps (bench/run.py --gemm). Past 1024 rows the Gluon kernel is ahead on W1's and W4's four FP8 GEMMs,
+# and at 768 not yet; in bf16 it is far ahead of the Triton kernel from 2048 rows on (bench/gemm_table.py;
+# docs/performance.md). bf16 keeps the FP8 threshold: its smaller batches were not timed.
 WS_MIN_ROWS = 1025
 
 
@@ -31,7 +32,7 @@ def gemm_tiles(M: int, N: int, dtype: torch.dtype, interpret: bool) -> dict:
     3072,3072 / 16384,3072 / 3072,8192) at 16k rows, ahead of the pointer-fed kernel it replaced (which also used
     128-wide N tiles below N=4096) and a little behind torch._scaled_mm without the LoRA. Small M: 128x256 tiles
     leave most of the 132 SMs idle (36 tiles at M=300, N=3072), so narrower tiles there (docs/performance.md). The
-    bf16 path keeps the pointer-fed tiles it was tuned with."""
+    bf16 path keeps the pointer-fed tiles it was tuned with; bf16 batches past WS_MIN_ROWS go to the Gluon GEMM."""
     if interpret:
         return dict(BM=16, BN=32, BK=32, GROUP_M=4, num_warps=4, num_stages=1)
     bk = 128 if dtype == torch.float8_e4m3fn else 64
