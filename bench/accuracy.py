@@ -16,11 +16,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hf_fixtures import hf_scores  # noqa: E402
 
-from policyscan.engine.run.batch import pack  # noqa: E402
 from policyscan.engine.model.checkpoint import Checkpoint  # noqa: E402
 from policyscan.engine.model.loader import attach_policies, load_decoder  # noqa: E402
-from policyscan.engine.policy.bundle import load_policy  # noqa: E402
 from policyscan.engine.model.precision import Precision  # noqa: E402
+from policyscan.engine.policy.bundle import load_policy  # noqa: E402
+from policyscan.engine.run.batch import pack  # noqa: E402
 
 LABELS = [(11, 13), (21, 23), (31, 37)]
 LENGTHS = [1, 17, 64, 200, 333, 100, 5, 250, 48]

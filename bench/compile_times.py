@@ -24,11 +24,12 @@ os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_times_")  # bef
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import prepare  # noqa: E402
 
-from policyscan.engine.warmup.compile_ahead import _dry_run, shape_classes  # noqa: E402
-from policyscan.engine.warmup.compile_procs import KERNEL_MODULES, Compilers  # noqa: E402
 from policyscan.engine.policy.bundle import load_policies  # noqa: E402
 from policyscan.engine.run.runner import Engine  # noqa: E402
 from policyscan.engine.settings import EngineSettings  # noqa: E402
+from policyscan.engine.warmup.compile_ahead import _dry_run, shape_classes  # noqa: E402
+from policyscan.engine.warmup.compile_procs import KERNEL_MODULES, Compilers  # noqa: E402
+
 
 def import_seconds(modules: list[str], n: int) -> float:
     """Wall time of n processes importing the kernels' modules at once."""

@@ -24,13 +24,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
+from hf_fixtures import ALL, AdapterSpec, make_model, make_policy  # noqa: E402
+
 from bench.workloads import lengths  # noqa: E402
-from hf_fixtures import AdapterSpec, ALL, make_model, make_policy  # noqa: E402
-from policyscan.engine.run.batch import pack  # noqa: E402
 from policyscan.engine.model.checkpoint import Checkpoint  # noqa: E402
 from policyscan.engine.model.loader import attach_policies, load_decoder  # noqa: E402
-from policyscan.engine.policy.bundle import load_policy  # noqa: E402
 from policyscan.engine.model.precision import Precision  # noqa: E402
+from policyscan.engine.policy.bundle import load_policy  # noqa: E402
+from policyscan.engine.run.batch import pack  # noqa: E402
 from policyscan.engine.run.runner import default_threads  # noqa: E402
 from policyscan.kernels import cpu_rows, reference  # noqa: E402
 

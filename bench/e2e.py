@@ -31,7 +31,7 @@ SAMPLE = HERE.parent / "sample_data"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(SAMPLE))
 from synth import conversations  # noqa: E402
-from workloads import WORKLOADS, hf_peft_model, shape, workload_lengths  # noqa: E402
+from workloads import WORKLOADS, hf_peft_model, left_padded, shape, workload_lengths  # noqa: E402
 
 from policyscan.engine.inputs.rows import clip_chars  # noqa: E402
 from policyscan.engine.inputs.sources import ReadSpec  # noqa: E402
@@ -130,12 +130,7 @@ def hf_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
                 prompts = sorted((builder.build(c)[0] for c in convs[:limit]), key=len)
                 for i in range(0, len(prompts), 32):
                     chunk = prompts[i:i + 32]
-                    n = max(map(len, chunk))
-                    ids = torch.zeros(len(chunk), n, dtype=torch.long)
-                    mask = torch.zeros(len(chunk), n, dtype=torch.long)
-                    for r, c in enumerate(chunk):
-                        ids[r, n - len(c):] = torch.as_tensor(c)
-                        mask[r, n - len(c):] = 1
+                    ids, mask = left_padded(chunk)
                     logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), logits_to_keep=1).logits
                     (logits[:, -1, ids_v] - logits[:, -1, ids_c]).float().cpu()
                     tokens += sum(map(len, chunk))

@@ -16,13 +16,12 @@ import torch
 import triton
 
 from policyscan.engine.inputs.rows import clip_chars
+from policyscan.engine.inputs.sources import ReadSpec
 from policyscan.engine.outputs.accounting import OutputSpec
-from policyscan.engine.run.pipeline import encoded_inputs
-from policyscan.engine.run.pipeline import score_inputs
 from policyscan.engine.policy.bundle import load_policies
+from policyscan.engine.run.pipeline import encoded_inputs, score_inputs
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.inputs.sources import ReadSpec
 
 MISSES: list[str] = []
 

@@ -18,11 +18,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from policyscan.engine.run.batch import pack
 from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.model.loader import attach_policies, load_decoder
-from policyscan.engine.policy.bundle import load_policies
 from policyscan.engine.model.precision import Precision
+from policyscan.engine.policy.bundle import load_policies
+from policyscan.engine.run.batch import pack
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
 from policyscan.kernels import reference

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import WORKLOADS, hf_peft_model, prompts, random_decoder, shape  # noqa: E402
 from power import PowerSampler, describe, layer_rate, sustained_gemm_rates  # noqa: E402
+from workloads import WORKLOADS, hf_peft_model, left_padded, prompts, random_decoder, shape  # noqa: E402
 
 from policyscan.engine.run.batch import pack, plan_batches  # noqa: E402
 from policyscan.engine.run.graphs import GraphedForward  # noqa: E402
@@ -116,13 +116,7 @@ def bench_hf(name: str, bs: int = 32, bf16_adapters: bool = True) -> dict:
             for a in range(w.adapters if limit is None else 1):
                 model.set_adapter(f"a{a}")
                 for i in range(0, len(by_len) if limit is None else limit, bs):
-                    chunk = [prefixes[a] + convs[j] for j in by_len[i:i + bs]]
-                    n = max(map(len, chunk))
-                    ids = torch.zeros(len(chunk), n, dtype=torch.long)
-                    mask = torch.zeros(len(chunk), n, dtype=torch.long)
-                    for r, c in enumerate(chunk):
-                        ids[r, n - len(c):] = torch.tensor(c)
-                        mask[r, n - len(c):] = 1
+                    ids, mask = left_padded([prefixes[a] + convs[j] for j in by_len[i:i + bs]])
                     out = model(input_ids=ids.cuda(), attention_mask=mask.cuda(), logits_to_keep=1).logits
                     out[:, -1, [11, 13]].float().cpu()
 

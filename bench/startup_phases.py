@@ -18,11 +18,11 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 
 import policyscan.cli.main as cli  # noqa: E402
-import policyscan.engine.warmup.compile_ahead as ca  # noqa: E402
-import policyscan.engine.warmup.compile_procs as cp  # noqa: E402
 import policyscan.engine.model.layers as layers  # noqa: E402
 import policyscan.engine.model.loader as loader  # noqa: E402
 import policyscan.engine.run.runner as runner  # noqa: E402
+import policyscan.engine.warmup.compile_ahead as ca  # noqa: E402
+import policyscan.engine.warmup.compile_procs as cp  # noqa: E402
 
 EVENTS: list[tuple[float, str]] = []
 INSIDE: dict[str, float] = collections.defaultdict(float)

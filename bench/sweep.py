@@ -15,10 +15,10 @@ from triton.testing import do_bench_cudagraph
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import lengths  # noqa: E402
 
+from policyscan.kernels import reference  # noqa: E402
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
-from policyscan.kernels import reference  # noqa: E402
 from policyscan.kernels.reference import AttnShape, quantize_rows  # noqa: E402
 
 T = 16384

@@ -142,6 +142,17 @@ def random_decoder(cfg: ModelConfig, n_adapters: int, rank: int, ops, device="cu
     return dec
 
 
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of a batch, left-padded: the HF + PEFT baseline's batches."""
+    n = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), n, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for r, c in enumerate(prompts):
+        ids[r, n - len(c):] = torch.as_tensor(c)
+        mask[r, n - len(c):] = 1
+    return ids, mask
+
+
 def hf_peft_model(cfg: ModelConfig, n_adapters: int, rank: int = 16, device: str = "cuda"):
     """The same shape as a transformers Llama (a Gemma 3 for a gemma3 shape) with random bf16 weights and PEFT
     adapters a0, a1, ... (r = rank, alpha = 2 r, on all seven projections, random B so that they matter): the
