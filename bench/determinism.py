@@ -179,7 +179,7 @@ def worker(args) -> None:
         ads = np.array([a for _ in convs for a in range(args.adapters)])
         for budget in (65536, 3000):
             for graphs in (True, False):
-                forward = GraphedForward(dec, None) if graphs else (lambda b: dec.forward(b.to(DEV)))
+                forward = GraphedForward(dec, None) if graphs else (lambda b, d=dec: d.forward(b.to(DEV)))
                 f = np.empty(len(seqs), dtype=np.float32)
                 with torch.inference_mode():
                     pend = []
