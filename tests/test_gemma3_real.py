@@ -1,8 +1,8 @@
 """A real Gemma 3: Gemma 3 270M as bench/gemma3_checkpoint.py converts it once into the test cache
 ($POLICYSCAN_TEST_CACHE, else ~/.cache/policyscan-tests; .ci/run fetches it when it can). Real English conversations
 through `policyscan score` on the CPU against transformers fp32 on the tokenizer's encoding of each whole prompt:
-two zero-shot (prompt-only) policies, and a LoRA policy against transformers + PEFT; on a GPU, bf16 and FP8 against
-the fp32 engine. Skipped, with how to get the checkpoint, where it is absent."""
+two zero-shot (prompt-only) policies, and a LoRA policy and a policy `policyscan train` wrote against transformers +
+PEFT; on a GPU, bf16 and FP8 against the fp32 engine. Skipped, with how to get the checkpoint, where it is absent."""
 from __future__ import annotations
 
 import json
@@ -147,3 +147,39 @@ def test_gpu_on_real_gemma3_within_its_cpu_twin(gemma3, tmp_path, precision):
           f"cpu twin {errs['cpu twin']:.3f}")
     assert np.isfinite(gpu).all()
     assert errs["gpu"] <= 1.5 * errs["cpu twin"]
+
+
+def test_train_on_real_gemma3_writes_an_adapter_that_scores_as_trained(gemma3, hf_model, tmp_path):
+    """`policyscan train` on Gemma 3 270M (the CPU, fp32; the sample's pii rule, 20 rows of each label cut to 64
+    tokens, r 2 on q and v, one epoch: a test of the path, not of learning): train's own check of score's engine
+    against the trainer holds, and transformers + PEFT loading the written adapter from its files gives score's f."""
+    from peft import PeftModel
+
+    labeled, policy = tmp_path / "labeled.parquet", tmp_path / "pii"
+    rows = pq.read_table(ROOT / "sample_data" / "labeled.parquet").to_pylist()
+    pq.write_table(pa.Table.from_pylist([r for r in rows if r["pii"]][:20] + [r for r in rows if not r["pii"]][:20]),
+                   labeled)
+    policy.mkdir()
+    question = "Does the user share personal information such as an email address or a phone number?"
+    (policy / "policy.json").write_text(json.dumps({
+        "name": "pii", "labels": {"compliant": " No", "violation": " Yes"}, "template": template(question)}))
+    run("train", labeled, "--model", gemma3, "--policy", policy, "--label-column", "pii", "--max-length", "64",
+        "--rank", "2", "--targets", "q,v", "--epochs", "1", "--lr", "1e-3", "--holdout", "0.3", "--device", "cpu",
+        "--chat-template", "plain", "--no-progress")
+    training = json.loads((policy / "policy.json").read_text())["training"]
+    assert training["parity"]["max_abs_diff"] <= 1e-4 and training["precision"] == "fp32"
+
+    src, out = tmp_path / "chats.parquet", tmp_path / "scores.parquet"
+    pq.write_table(pa.table({"id": [f"c{i}" for i in range(4)], "text": texts(4)}), src)
+    run("score", src, "-o", out, "--model", gemma3, "--policies", policy, "--device", "cpu", "--raw",
+        "--no-progress")
+    f = np.asarray(pq.read_table(out)["f_pii"].to_pylist(), dtype=np.float64)
+    base = whole_prompt_f(hf_model, gemma3, question)
+    model = PeftModel.from_pretrained(hf_model, policy).eval()
+    ref = whole_prompt_f(model, gemma3, question)
+    model.unload()
+    err = np.abs(f - ref).max()
+    print(f"Gemma 3 270M, a policy trained by `policyscan train`: score vs transformers + PEFT fp32 max |f - f_hf| "
+          f"{err:.2e}; training moved f by {np.abs(ref - base).mean():.3f} on average")
+    assert np.abs(ref - base).min() > 1e-3  # the trained adapter is applied, not a zero update
+    assert err <= 1e-4
