@@ -3,10 +3,10 @@ against the engine figure (the same model, policies and prompts as token ids, En
 the same run.
 
     python bench/e2e.py --workload W1 --dir /tmp/e2e [--device cuda]
-    python bench/e2e.py --workload W5 --precision fp8,bf16 --hf --no-engine   # W5's targets, in one call
+    python bench/e2e.py --workload W5 --precision fp8,bf16 --hf --hf-batch 1,32 --no-engine   # W5's targets
 
 --precision runs `policyscan score` once per value; --hf adds transformers + PEFT bf16 on the same prompts,
-loaded from the same files, in the same call, and every run's ratio to it.
+loaded from the same files, in the same call, at each --hf-batch size, and every run's ratio to the fastest.
 
 Stand-ins, since nothing can be downloaded: random bf16 weights saved by transformers and random PEFT adapters
 (r = 16 on all seven projections), and the sample model's byte-level BPE tokenizer (vocab 1024) in place of
@@ -100,11 +100,12 @@ def engine_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
     return tokens, dt
 
 
-def hf_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
+def hf_figure(root: Path, src: Path, device: str, batch: int = 32) -> tuple[int, float]:
     """transformers + PEFT bf16 from the checkpoint files on score's own prompts (the same file read and encoded as
-    the CLI does): per-policy loop, length-sorted batches of 32, left padding, SDPA, logits_to_keep=1, the two
+    the CLI does): per-policy loop, length-sorted batches of `batch`, left padding, SDPA, logits_to_keep=1, the two
     label logits; LoRA weights cast to bf16 (PEFT keeps them in fp32, 1.56x slower on W1). Timed after a warm-up
-    batch."""
+    batch. A batch of rows of one length (batch 1 always) has an all-ones mask, which transformers drops, so SDPA
+    may take its flash kernel; a padded batch's mask keeps it on another."""
     import transformers as tf
     from peft import PeftModel
 
@@ -113,7 +114,8 @@ def hf_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
     chunks = list(encoded_inputs(pp, [src], ReadSpec(max_chars=clip_chars(WORKLOADS[src.stem].max_length))))
     convs = [c for _, chunk_convs in chunks for c in chunk_convs]
     model = tf.AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.bfloat16, attn_implementation="sdpa")
-    model = PeftModel.from_pretrained(model.to(device), root / "bundles" / policies[0].name, adapter_name=policies[0].name)
+    first = policies[0].name
+    model = PeftModel.from_pretrained(model.to(device), root / "bundles" / first, adapter_name=first)
     for p in policies[1:]:
         model.load_adapter(root / "bundles" / p.name, adapter_name=p.name)
     for n, prm in model.named_parameters():
@@ -128,8 +130,8 @@ def hf_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
                 model.set_adapter(policy.name)
                 ids_c, ids_v = pp.encoder.verdict_ids(policy)
                 prompts = sorted((builder.build(c)[0] for c in convs[:limit]), key=len)
-                for i in range(0, len(prompts), 32):
-                    chunk = prompts[i:i + 32]
+                for i in range(0, len(prompts), batch):
+                    chunk = prompts[i:i + batch]
                     ids, mask = left_padded(chunk)
                     logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), logits_to_keep=1).logits
                     (logits[:, -1, ids_v] - logits[:, -1, ids_c]).float().cpu()
@@ -137,7 +139,7 @@ def hf_figure(root: Path, src: Path, device: str) -> tuple[int, float]:
         return tokens
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    run(limit=32)
+    run(limit=max(batch, 8))
     sync()
     t0 = time.perf_counter()
     tokens = run()
@@ -183,6 +185,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precision", default="auto", help="comma-separated: one `policyscan score` run for each")
     ap.add_argument("--hf", action="store_true", help="also transformers + PEFT bf16 on the same prompts and files")
+    ap.add_argument("--hf-batch", default="32", help="comma-separated batch sizes for --hf, each run; the ratios are "
+                                                     "to the fastest")
     ap.add_argument("--no-engine", action="store_true", help="leave out the engine figure (token ids in)")
     args = ap.parse_args()
     root, src = prepare(args.dir, args.workload, args.device)
@@ -197,10 +201,12 @@ def main() -> None:
         print(f"{args.workload} E2E {precision} (policyscan score, Parquet text in and out): {cli_tokens:,} tokens in "
               f"{cli_s:.2f} s = {cli_tokens / cli_s:,.0f} tok/s; process wall {wall:.1f} s", flush=True)
         rows.append((f"policyscan score --precision {precision}", cli_tokens, cli_s, wall))
-    if args.hf:
-        tokens, dt = hf_figure(root, src, args.device)
-        rows.append(("transformers + PEFT bf16", tokens, dt, None))
-    base = rows[-1][1] / rows[-1][2] if args.hf else None
+    hf = []
+    for batch in map(int, args.hf_batch.split(",") if args.hf else []):
+        tokens, dt = hf_figure(root, src, args.device, batch)
+        hf.append((f"transformers + PEFT bf16, batches of {batch}", tokens, dt, None))
+    rows += hf
+    base = max(tokens / dt for _, tokens, dt, _ in hf) if hf else None
     print(f"\n{args.workload}: {'run':<40}{'tokens':>11}{'seconds':>9}{'tok/s':>10}{'vs HF':>7}{'wall s':>8}")
     for name, tokens, dt, wall in rows:
         ratio = f"{tokens / dt / base:.2f}x" if base else ""
