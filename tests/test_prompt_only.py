@@ -92,3 +92,31 @@ def test_score_mixes_prompt_only_and_lora_policies_and_records_no_adapter_hash(t
     assert recorded["zs"] is None and len(recorded["pii"]) == 64
     shown = json.loads(CliRunner().invoke(cli, ["inspect", str(zs)]).output)
     assert shown["prompt_only"] is True and shown["lora_ranks"] == [] and shown["adapter_sha256"] is None
+
+
+def test_factors_for_the_device_leave_a_prompt_only_policy_empty(tmp_path):
+    """factors_on's copy for an accelerator (the meta device stands in): a prompt-only policy has no factors to
+    copy, and the LoRA policy beside it keeps every factor's shape."""
+    from policyscan.engine.model.loader import factors_on
+
+    pols = load_policies([_renamed(tmp_path, "zs", adapter=False), SAMPLE / "policies" / "pii"])
+    empty, lora = factors_on(pols, torch.device("meta"))
+    assert empty == {}
+    assert lora.keys() == pols[1].lora.factors.keys()
+    for key, (a, b) in lora.items():
+        assert a.shape == pols[1].lora.factors[key][0].shape and b.shape == pols[1].lora.factors[key][1].shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_prompt_only_policies_score_on_the_gpu_alone_and_beside_lora_policies(tmp_path, precision):
+    """On the GPU, policies without an adapter alone (no LoRA stacks at all) and mixed with LoRA policies: the
+    prompt-only column is bitwise the same either way."""
+    settings = EngineSettings("cuda", precision, batch_tokens=512, max_length=256)
+    mixed = load_policies([SAMPLE / "policies" / "pii", _renamed(tmp_path, "zs", adapter=False)])
+    only = load_policies([tmp_path / "zs"])
+    engines = [Engine(SAMPLE / "model", pols, settings) for pols in (mixed, only)]
+    convs = [np.asarray(x) for x in engines[0].encoder.encode_batch(TEXTS)]
+    f_mixed, f_only = (e.score_conversations(convs)[0] for e in engines)
+    assert np.isfinite(f_mixed).all() and np.isfinite(f_only).all()
+    assert f_mixed[:, 1].tobytes() == f_only[:, 0].tobytes()

@@ -168,6 +168,9 @@ def factors_on(policies: list[Policy], device: torch.device, values: bool = True
     out = []
     for p in policies:
         flat = [torch.as_tensor(t, dtype=torch.float32) for ab in p.lora.factors.values() for t in ab]
+        if not flat:  # a prompt-only policy: nothing to copy
+            out.append({})
+            continue
         sizes = [t.numel() for t in flat]
         whole = torch.cat([t.reshape(-1) for t in flat]).to(device) if values else \
             torch.ones(sum(sizes), dtype=torch.float32, device=device)
