@@ -8,7 +8,7 @@ against the kernel behind torch SDPA's flash backend (FlashAttention-2's varlen 
 Per GEMM: cuBLAS's time for the bare product, the fused kernel lora_gemm picks (its LoRA expand, SiLU-and-mul or
 residual included, so cuBLAS does less work), the Triton kernel alone, and whether the two kernels gave the same
 bits (they must: lora_gemm picks between them by M). --sweep also times attention tiles (tuning.attention_tiles);
-cuDNN's fused attention (SDPA's cuDNN backend) runs beside FlashAttention-2, and --dense adds equal-length batches."""
+--dense adds equal-length batches, where cuDNN's fused attention (SDPA's cuDNN backend) runs as well."""
 from __future__ import annotations
 
 import argparse
@@ -81,13 +81,17 @@ def gemm_rows(name: str, rows: list[int]) -> list[dict]:
     return out
 
 
-def attention_batch(name: str, tokens: int):
-    """The workload's first `tokens` prompt tokens as the engine packs them (each conversation once per policy):
-    lengths, cu_seqlens, random qkv rows, the attention's shape and its causal FLOPs."""
+def attention_batch(name: str, tokens: int, length: int | None = None):
+    """The workload's first `tokens` prompt tokens as the engine packs them (each conversation once per policy), or
+    with `length` that many tokens in sequences of that length: lengths, cu_seqlens, random qkv rows, the
+    attention's shape and its causal FLOPs."""
     w = WORKLOADS[name]
     cfg = shape(w.model)
-    lens = np.repeat(workload_lengths(w), w.adapters)
-    lens = lens[: max(1, int(np.searchsorted(np.cumsum(lens), tokens)))]
+    if length is None:
+        lens = np.repeat(workload_lengths(w), w.adapters)
+        lens = lens[: max(1, int(np.searchsorted(np.cumsum(lens), tokens)))]
+    else:
+        lens = np.full(max(1, tokens // length), length)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
     att = AttnShape(cfg.heads, cfg.kv_heads, cfg.head_dim)
@@ -98,8 +102,11 @@ def attention_batch(name: str, tokens: int):
     return lens, cu.cuda(), qkv, att, fl
 
 
-def attention_rows(name: str, tokens: int, sweep: bool) -> list[dict]:
-    lens, cu, qkv, att, fl = attention_batch(name, tokens)
+def attention_rows(name: str, tokens: int, sweep: bool, length: int | None = None) -> list[dict]:
+    """Ours against FlashAttention-2's varlen forward on attention_batch's batch; on equal-length batches
+    (`length`) also cuDNN's fused attention (SDPA's cuDNN backend, dense [B, H, S, D], key/value heads expanded),
+    the other Hopper kernel torch ships: its ragged layout failed under CUDA-graph capture."""
+    lens, cu, qkv, att, fl = attention_batch(name, tokens, length)
     H, Hkv, D = att.heads, att.kv_heads, att.head_dim
     scale = D ** -0.5
     q, k, v = (qkv[:, a * D:b * D].unflatten(1, (b - a, D)) for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv)))
@@ -108,30 +115,18 @@ def attention_rows(name: str, tokens: int, sweep: bool) -> list[dict]:
     def flash():
         return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, top, top, 0.0, True, False, scale=scale)[0]
 
-    # cuDNN's fused attention (SDPA's cuDNN backend) on the same packed batch, key/value heads expanded to the
-    # query heads beforehand in case its ragged path lacks GQA: the other Hopper kernel torch ships
-    rep = H // Hkv
-    k_full, v_full = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-
-    def cudnn():
-        return torch.ops.aten._cudnn_attention_forward(q, k_full, v_full, None, cu, cu, top, top, False, 0.0, True,
-                                                       False, scale=scale)[0]
-
     t_fa = timed(flash)
     t_ours = timed(lambda: varlen_attention(qkv, cu, att, scale))
-    ours = varlen_attention(qkv, cu, att, scale).float()
-    diff = (flash().reshape(qkv.shape[0], -1).float() - ours).abs().max()
+    diff = (flash().reshape(qkv.shape[0], -1).float() - varlen_attention(qkv, cu, att, scale).float()).abs().max()
     base = dict(workload=name, tokens=int(cu[-1]), seqs=len(lens), longest=top)
     rows = [dict(base, config="flash (SDPA's kernel)", ms=t_fa, tf=fl / t_fa / 1e9),
-            dict(base, config="policyscan (default)", ms=t_ours, tf=fl / t_ours / 1e9, max_diff=float(diff),
-                 diff_to="flash")]
-    try:
-        d_cudnn = (cudnn().reshape(qkv.shape[0], -1).float() - ours).abs().max()
-        t_cudnn = timed(cudnn)
-        rows.append(dict(base, config="cuDNN (SDPA's cuDNN backend)", ms=t_cudnn, tf=fl / t_cudnn / 1e9,
-                         max_diff=float(d_cudnn), diff_to="policyscan"))
-    except RuntimeError as e:  # this torch or cuDNN build lacks the ragged layout
-        print(f"    attention {name} cuDNN: skipped: {str(e)[:160]}")
+            dict(base, config="policyscan (default)", ms=t_ours, tf=fl / t_ours / 1e9, max_diff=float(diff))]
+    if length is not None:
+        qd, kd, vd = (t.unflatten(0, (len(lens), length)).transpose(1, 2) for t in
+                      (q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)))
+        t_cudnn = timed(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qd, kd, vd, None, False, 0.0, True, False, scale=scale)[0])
+        rows.append(dict(base, config="cuDNN dense", ms=t_cudnn, tf=fl / t_cudnn / 1e9))
     if sweep:
         G = H // Hkv
         for r, nw, bn, ns, mr in [(64, 4, 32, 2, 128), (64, 4, 64, 2, None), (64, 4, 64, 3, 168), (128, 8, 32, 2, None),
@@ -147,39 +142,6 @@ def attention_rows(name: str, tokens: int, sweep: bool) -> list[dict]:
     return rows
 
 
-def dense_rows(name: str, length: int, tokens: int) -> list[dict]:
-    """Equal-length sequences (`tokens` // `length` of them) at the workload's heads: ours, FlashAttention-2 and
-    cuDNN's dense causal kernel ([B, H, S, D], key/value heads expanded), the rate each reaches on long rows."""
-    w = WORKLOADS[name]
-    cfg = shape(w.model)
-    att = AttnShape(cfg.heads, cfg.kv_heads, cfg.head_dim)
-    H, Hkv, D = att.heads, att.kv_heads, att.head_dim
-    B = max(1, tokens // length)
-    cu = (torch.arange(B + 1, dtype=torch.int32) * length).cuda()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    qkv = torch.randn(B * length, (H + 2 * Hkv) * D, device="cuda", generator=g).bfloat16()
-    q, k, v = (qkv[:, a * D:b * D].unflatten(1, (b - a, D)) for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv)))
-    qd, kd, vd = (t.unflatten(0, (B, length)).transpose(1, 2) for t in
-                  (q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)))
-    fl = 4 * H * D * B * length * (length + 1) / 2
-    scale = D ** -0.5
-    runs = {"policyscan (default)": lambda: varlen_attention(qkv, cu, att, scale),
-            "flash (SDPA's kernel)": lambda: torch.ops.aten._flash_attention_forward(
-                q, k, v, cu, cu, length, length, 0.0, True, False, scale=scale)[0],
-            "cuDNN dense": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
-                qd, kd, vd, None, False, 0.0, True, False, scale=scale)[0]}
-    out = []
-    for config, fn in runs.items():
-        try:
-            t = timed(fn)
-        except RuntimeError as e:
-            print(f"    attention {name} dense {config}: skipped: {str(e)[:160]}")
-            continue
-        out.append(dict(workload=name, tokens=B * length, seqs=B, longest=length, config=config, ms=t,
-                        tf=fl / t / 1e9))
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="2048,16384,65536", help="GEMM batch rows M")
@@ -191,20 +153,21 @@ def main() -> None:
     args = ap.parse_args()
     warm_clocks()
     names = args.workloads.split(",")
-    if args.attention_only:
-        args.rows = ""
-    print(f"{'GEMM':<14}{'M':>7}{'N':>7}{'K':>7}{'cuBLAS TF/s':>13}{'fused TF/s':>12}{'of cuBLAS':>11}"
-          f"{'Triton TF/s':>13}{'same bits':>11}")
-    for name in names:
-        for r in gemm_rows(name, [int(m) for m in args.rows.split(",") if m]):
+    if not args.attention_only:
+        print(f"{'GEMM':<14}{'M':>7}{'N':>7}{'K':>7}{'cuBLAS TF/s':>13}{'fused TF/s':>12}{'of cuBLAS':>11}"
+              f"{'Triton TF/s':>13}{'same bits':>11}")
+    for name in [] if args.attention_only else names:
+        for r in gemm_rows(name, [int(m) for m in args.rows.split(",")]):
             print(f"{r['workload'] + ' ' + r['kind']:<14}{r['M']:>7}{r['N']:>7}{r['K']:>7}{r['cublas_tf']:>13.0f}"
                   f"{r['fused_tf']:>12.0f}{r['of_cublas']:>11.0%}{r['triton_tf']:>13.0f}{str(r['bitwise']):>11}",
                   flush=True)
     print(f"\n{'attention':<10}{'tokens':>8}{'seqs':>6}{'longest':>8}{'TF/s':>7}  config")
     for name in names:
-        dense = [r for n in args.dense.split(",") if n for r in dense_rows(name, int(n), args.attention_tokens)]
-        for r in attention_rows(name, args.attention_tokens, args.sweep) + dense:
-            extra = f" (max |diff| to {r['diff_to']} {r['max_diff']:.1e})" if "max_diff" in r else ""
+        rows = attention_rows(name, args.attention_tokens, args.sweep)
+        for n in filter(None, args.dense.split(",")):
+            rows += attention_rows(name, args.attention_tokens, False, int(n))
+        for r in rows:
+            extra = f" (max |diff| to flash {r['max_diff']:.1e})" if "max_diff" in r else ""
             print(f"{r['workload']:<10}{r['tokens']:>8}{r['seqs']:>6}{r['longest']:>8}{r['tf']:>7.0f}  "
                   f"{r['config']}{extra}", flush=True)
 
