@@ -98,7 +98,7 @@ def test_score_on_ray_with_an_actor_killed_writes_the_local_outputs_bit_for_bit_
     out = tmp_path  # as deep as `local`: the inputs' paths relative to the outputs are the same
     res = run("score", *inputs, "-o", f"{out}/", *CPU, "--ray", ok=(3,))
     assert not armed.exists()  # an actor was killed
-    assert "rows in 58 = scored 56 + in errors 2 (balanced)" in res.output
+    assert "rows in 58 = scored 56 + in errors 2 (balanced)" in res.output, res.output
     for name in ("logs.scores.parquet", "more.scores.parquet", "ints.scores.parquet"):
         assert pq.read_table(out / name).equals(pq.read_table(local / name)), name
         _same_run(_meta(out / name), _meta(local / name))
