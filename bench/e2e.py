@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import torch
 
 HERE = Path(__file__).resolve().parent
-SAMPLE = HERE.parent / "sample_data"
+SAMPLE = HERE.parent / "policyscan" / "sample_data"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(SAMPLE))
 from synth import conversations  # noqa: E402

@@ -27,7 +27,7 @@ from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
 from policyscan.kernels import reference
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 GROUPS = ("qkv", "o", "gate_up", "down")
 QUESTIONS = ["Does this conversation talk about files?", "Does the assistant give financial advice?",
              "Does the user share a phone number or an address?", "Is the user upset?"]

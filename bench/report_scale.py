@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from policyscan.engine.files import file_sha256
 from policyscan.engine.outputs.sinks import ScoreWriter, commit_together, read_metadata
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 CHUNK = 4096  # score writes a row group per chunk of this many rows
 START = datetime.datetime(2026, 11, 1, tzinfo=datetime.timezone.utc)
 # the command run as `policyscan ...` in a process of its own, which prints its peak RSS last on stderr

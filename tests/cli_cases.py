@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from policyscan.cli.main import cli
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 sys.path.insert(0, str(SAMPLE))
 from synth import conversations  # noqa: E402
 

@@ -40,7 +40,7 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 SLICE_ROWS = 40  # the CLI tests score this many of the sample's 200 conversations (same rows, same order)
 LABELED_ROWS = 80  # calibrate's labeled slice: 27 pii violations, so >= 10 of each class in the fit rows
 

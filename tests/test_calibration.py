@@ -16,7 +16,7 @@ from policyscan.calibration.metrics import brier, ece, log_loss, roc_auc
 from policyscan.calibration.platt import fit_platt
 from policyscan.cli.main import cli
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 
 
 def _rng() -> np.random.Generator:

@@ -168,3 +168,14 @@ def test_ctrl_c_in_the_compile_after_the_load_ends_the_workers(fake, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         runner._compile_after_load(["k0"], [], EngineSettings(), "run-i", given)
     assert given.workers == [] and given.process.returncode is not None
+
+
+def test_the_run_id_hashes_every_engine_and_kernel_module():
+    """A change to any module that decides kernel variants (a launcher, a tile, a batch plan) gives a new run id,
+    so a manifest written by other code is not trusted: variants_id hashes these files."""
+    files = ca.source_files()
+    package = Path(ca.__file__).resolve().parents[2]
+    names = {str(f.relative_to(package)) for f in files}
+    assert {"kernels/attention.py", "kernels/tuning.py", "engine/run/batch.py", "engine/model/layers.py",
+            "engine/warmup/compile_ahead.py"} <= names, sorted(names)
+    assert names >= {str(f.relative_to(package)) for f in (package / "engine").rglob("*.py")}

@@ -19,7 +19,7 @@ from test_sentencepiece import sentencepiece_tokenizer
 from policyscan.engine.text.content import BRK, ESC, ContentGuard
 from policyscan.engine.text.prompts import TextEncoder
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 # Each family's chat template, laid out as its model's own (the markup around role and content)
 TEMPLATES = {
     "llama3": "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}"

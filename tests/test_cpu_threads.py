@@ -20,7 +20,7 @@ from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
 from policyscan.kernels import cpu_rows, reference
 
-SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
+SAMPLE = Path(__file__).resolve().parents[1] / "policyscan" / "sample_data"
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +109,7 @@ def test_threads_option_gives_the_same_table_and_is_left_out_of_the_run_key(tmp_
 
     from policyscan.cli.main import cli
 
-    sample = Path(__file__).resolve().parent.parent / "sample_data"
+    sample = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
     src = tmp_path / "in" / "logs.parquet"
     src.parent.mkdir()
     pq.write_table(pq.read_table(sample / "conversations.parquet").slice(0, 12), src)

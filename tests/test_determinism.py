@@ -17,7 +17,7 @@ import pytest
 from hf_fixtures import hf_config, make_model, write_policies
 from policyscan.engine.outputs.sinks import read_metadata
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 TEMPLATE = {"prefix": "Policy: the assistant must not break rule 7.\nConversation:\n", "suffix": "\nVerdict:"}
 DEEP = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=4, head_dim=32, vocab_size=1024, max_position_embeddings=4096)

@@ -33,7 +33,7 @@ def gemma3() -> Path:
 
 
 def texts(n: int) -> list[str]:
-    rows = pq.read_table(ROOT / "sample_data" / "conversations.parquet").slice(0, n).to_pylist()
+    rows = pq.read_table(ROOT / "policyscan" / "sample_data" / "conversations.parquet").slice(0, n).to_pylist()
     return ["\n".join(f"{m['role']}: {m['content']}" for m in r["messages"]) for r in rows]
 
 
@@ -156,7 +156,7 @@ def test_train_on_real_gemma3_writes_an_adapter_that_scores_as_trained(gemma3, h
     from peft import PeftModel
 
     labeled, policy = tmp_path / "labeled.parquet", tmp_path / "pii"
-    rows = pq.read_table(ROOT / "sample_data" / "labeled.parquet").to_pylist()
+    rows = pq.read_table(ROOT / "policyscan" / "sample_data" / "labeled.parquet").to_pylist()
     pq.write_table(pa.Table.from_pylist([r for r in rows if r["pii"]][:20] + [r for r in rows if not r["pii"]][:20]),
                    labeled)
     policy.mkdir()

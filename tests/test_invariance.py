@@ -83,7 +83,7 @@ def test_prefix_cache_is_bitwise_recompute(device, precision):
     from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
 
-    sample = Path(__file__).resolve().parent.parent / "sample_data"
+    sample = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
     pols = load_policies([sample / "policies"])
     cached = Engine(sample / "model", pols, EngineSettings(device, precision, batch_tokens=4096))
     inline = Engine(sample / "model", pols, EngineSettings(device, precision, batch_tokens=4096, prefix_cache=False))

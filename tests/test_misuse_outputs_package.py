@@ -1,5 +1,6 @@
-"""The package data: a non-editable install (a wheel) still has the sample model and policies that --model and
---policies default to. Built offline from a copy of the tree, so the working tree gets no build/ or egg-info."""
+"""The package as installed: a non-editable install (a wheel) still has the sample model and policies that --model
+and --policies default to (built offline from a copy of the tree, so the working tree gets no build/ or egg-info),
+and no folder of the checkout's root shadows an installed module when Python runs there."""
 from __future__ import annotations
 
 import os
@@ -18,9 +19,7 @@ NEEDED = ["model/config.json", "model/model.safetensors", "model/tokenizer.json"
 def test_the_wheel_ships_the_sample_model_and_policies(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    import tomllib
-    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
-    for name in ("pyproject.toml", "README.md", *sorted(set(folders))):
+    for name in ("pyproject.toml", "README.md", "policyscan"):
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
         copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
                                           if (ROOT / name).is_dir() else {}))
@@ -39,3 +38,14 @@ def test_the_wheel_ships_the_sample_model_and_policies(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     where, found = res.stdout.splitlines()
     assert where.startswith(str(tmp_path / "site")) and found == "True True", res.stderr
+
+
+def test_no_folder_at_the_checkout_root_shadows_an_installed_module():
+    """`python -m pytest` and `python -m ...` run from the root put it first on sys.path: a folder there named like
+    an installed module (transformers imports one called `kernels`) would be imported in its place."""
+    probe = ("import importlib.util, sys; names = sys.argv[1:]; "
+             "print(' '.join(n for n in names if importlib.util.find_spec(n) is not None))")
+    names = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and p.name.isidentifier() and p.name != "policyscan")
+    res = subprocess.run([sys.executable, "-P", "-c", probe, *names], cwd=ROOT / "tests", capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert res.stdout.split() == [], f"folders at the root named like installed modules: {res.stdout.split()}"

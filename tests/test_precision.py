@@ -14,7 +14,7 @@ from policyscan.engine.model.precision import Precision, decide_precision
 from policyscan.engine.model.quant import quantize_checkpoint
 from policyscan.kernels import reference
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 BF16, FP32 = torch.bfloat16, torch.float32
 SHAKY = [SimpleNamespace(name="shaky", calibration={"fp8_check": {"flip_share": 0.5}})]
 

@@ -12,7 +12,7 @@ from policyscan.cli.main import cli
 from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.model.precision import choose_precision
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 
 
 def test_calibrate_records_the_fp8_check(tmp_path, sample_slice):

@@ -17,7 +17,7 @@ from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
 from policyscan.engine.outputs.sinks import read_metadata
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 TEXTS = ["user: my SSN is 123-45-6789.\nassistant: noted.", "user: should I buy index funds?",
          "user: hello", "user: what is John's home address?\nassistant: 12 Elm Street." * 3]
 

@@ -15,7 +15,7 @@ from policyscan.engine.text.prompts import TextEncoder
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 
 
 def _labelled(tmp_path: Path, name: str, compliant: str, violation: str) -> Path:

@@ -15,7 +15,7 @@ from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.text.prompts import PromptBuilder, TextEncoder
 from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 
 
 def test_prompt_is_bos_prefix_conversation_suffix_with_left_truncation():

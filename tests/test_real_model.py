@@ -52,7 +52,7 @@ def test_cpu_fp32_matches_transformers_on_a_real_model(tmp_path, smollm2):
     from policyscan.engine.settings import EngineSettings
 
     # 10 conversations, 20 prompts: 20 conversations took 34 s of a 2-core machine's test run, for no new case
-    rows = pq.read_table(ROOT / "sample_data" / "conversations.parquet").slice(0, 10).to_pylist()
+    rows = pq.read_table(ROOT / "policyscan" / "sample_data" / "conversations.parquet").slice(0, 10).to_pylist()
     texts = ["\n".join(f"{m['role']}: {m['content']}" for m in r["messages"]) for r in rows]
     engine = Engine(smollm2, load_policies(prompt_only(tmp_path)), EngineSettings("cpu", "fp32"))
     convs = [np.asarray(x) for x in engine.encoder.encode_batch(texts)]
@@ -74,7 +74,7 @@ def test_cpu_fp32_matches_transformers_on_a_real_model(tmp_path, smollm2):
 
 
 def real_texts(n: int) -> list[str]:
-    rows = pq.read_table(ROOT / "sample_data" / "conversations.parquet").slice(0, n).to_pylist()
+    rows = pq.read_table(ROOT / "policyscan" / "sample_data" / "conversations.parquet").slice(0, n).to_pylist()
     return ["\n".join(f"{m['role']}: {m['content']}" for m in r["messages"]) for r in rows]
 
 

@@ -14,7 +14,7 @@ from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.text.prompts import TextEncoder
 from policyscan.engine.outputs.sinks import read_metadata
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 
 

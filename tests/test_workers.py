@@ -30,7 +30,7 @@ from policyscan.engine.inputs.units import LineRange, RowSlice, plan_units, rang
 from policyscan.engine.parallel.workers import WorkerConfig, WorkerPool, parse_devices
 from policyscan.engine.parallel.workers_run import score_inputs_workers
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 SETTINGS = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)  # 1 thread: workers share 2 cores
 UNIT_ROWS = 4  # slices inside row groups, several units per file
 UNIT_BYTES = 1000  # JSONL ranges of two or three lines
@@ -296,7 +296,7 @@ def test_cli_workers_write_the_single_process_table_and_refuse_workers_on_gpus(t
 
     from policyscan.cli.main import cli
 
-    sample = Path(__file__).resolve().parent.parent / "sample_data"
+    sample = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
     src = tmp_path / "logs.parquet"
     pq.write_table(pq.read_table(sample / "conversations.parquet").slice(0, 30), src, row_group_size=7)
     args = ["score", str(src), "--raw", "--no-progress", "--device", "cpu"]

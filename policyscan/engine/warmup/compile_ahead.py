@@ -215,10 +215,15 @@ def variants_id(*parts: object) -> str:
     gpu = torch.cuda.get_device_properties(torch.cuda.current_device())
     h = hashlib.sha256(repr((triton.__version__, gpu.name, gpu.major, gpu.minor, gpu.multi_processor_count,
                              parts)).encode())
-    root = Path(__file__).resolve().parent.parent
-    for f in sorted([*(root / "engine").glob("*.py"), *(root / "kernels").glob("*.py")]):
+    for f in source_files():
         h.update(f.read_bytes())
     return h.hexdigest()[:32]
+
+
+def source_files() -> list[Path]:
+    """Every module of policyscan's engine and kernels, in a fixed order: what variants_id hashes."""
+    root = Path(__file__).resolve().parents[2]
+    return sorted([*(root / "engine").rglob("*.py"), *(root / "kernels").glob("*.py")])
 
 
 def _compiled_before(run_id: str) -> list[str] | None:

@@ -1,6 +1,6 @@
 """Build the bundled sample data, deterministically, on a CPU in a few minutes.
 
-    python sample_data/make_sample.py            # needs the test extra (transformers, peft)
+    python policyscan/sample_data/make_sample.py            # needs the test extra (transformers, peft)
 
 1. synthetic conversations (synth.py) -> conversations.parquet / .jsonl (unlabeled) and labeled.parquet;
 2. a byte-level BPE tokenizer trained on them, with a chat template;

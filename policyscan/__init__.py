@@ -1,0 +1,1 @@
+"""policyscan: batch compliance classification of chatbot logs, per policy calibrated probabilities."""
