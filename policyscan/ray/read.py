@@ -22,8 +22,11 @@ TEXT, ERROR, SOURCE = "_policyscan_text", "_policyscan_error", "_policyscan_sour
 PACKED = "_policyscan_chunk"  # read_units(packed=True): a chunk's table as an Arrow IPC stream, one row a chunk
 # Where a row comes from. failed: the row stands for a file that could not be read from row `row` on (of `total`
 # rows, when known), not for an input row: it is listed, and counted, as the single-process path lists a file.
+# end (read_units(packed=True) only): no input row either, but the end of unit `unit`, which gave `row` rows; with a
+# failed row, it lets the driver check that every unit came back whole (ray/returned.py).
 SOURCE_TYPE = pa.struct([("unit", pa.int64()), ("file", pa.string()), ("row", pa.int64()), ("line", pa.int64()),
-                         ("failed", pa.bool_()), ("total", pa.int64())])
+                         ("failed", pa.bool_()), ("total", pa.int64()), ("end", pa.bool_())])
+END = "end of unit"  # an end row's error: the scorer passes a row with an error through, unscored
 
 
 def read_units(units: list[Unit], spec: ReadSpec, render: Conversations, packed: bool = False):
@@ -35,7 +38,7 @@ def read_units(units: list[Unit], spec: ReadSpec, render: Conversations, packed:
     Files whose id or kept columns differ in type cannot share a batch: Ray Data joins blocks to make a batch of
     map_batches' batch_size, which it requires with GPUs. packed: each chunk of rows as one row of PACKED instead
     (unpack() gives the tables back), so that map_batches(batch_size=1) takes one chunk at a time, as
-    `score --ray` does."""
+    `score --ray` does; each unit's chunks are then followed by its end row (SOURCE_TYPE)."""
     import ray.data
 
     items = [{"unit": pickle.dumps(u)} for u in units]
@@ -62,12 +65,13 @@ def unpack(batch: pa.Table) -> list[pa.Table]:
 
 def _read(batch: pa.Table, spec: ReadSpec, render: Conversations, packed: bool) -> Iterator[pa.Table]:
     for blob in batch.column("unit").to_pylist():
-        for table in unit_tables(pickle.loads(blob), spec, render):
+        for table in unit_tables(pickle.loads(blob), spec, render, ends=packed):
             yield pack(table) if packed else table
 
 
-def unit_tables(unit: Unit, spec: ReadSpec, render: Callable[[list], str]) -> Iterator[pa.Table]:
-    """A unit's chunks as tables; a file that cannot be read (further) ends them with a `failed` row."""
+def unit_tables(unit: Unit, spec: ReadSpec, render: Callable[[list], str], ends: bool = False) -> Iterator[pa.Table]:
+    """A unit's chunks as tables; a file that cannot be read (further) ends them with a `failed` row, and with
+    `ends` a unit read to its end closes with an end row."""
     done = 0
     try:
         for chunk in unit_chunks(unit, spec, render):
@@ -75,10 +79,18 @@ def unit_tables(unit: Unit, spec: ReadSpec, render: Callable[[list], str]) -> It
             yield _table(unit.index, chunk)
     except InputError as e:
         total = e.total if isinstance(e, PartialFileError) else None
-        source = pa.array([{"unit": unit.index, "file": str(unit.path), "row": done, "line": None, "failed": True,
-                            "total": total}], SOURCE_TYPE)
-        yield pa.table({"id": pa.nulls(1), **{k: pa.nulls(1) for k in spec.keep}, TEXT: pa.nulls(1, pa.string()),
-                        ERROR: pa.array([str(e)], pa.string()), SOURCE: source})
+        yield _marker(unit, spec, done, str(e), failed=True, total=total)
+        return
+    if ends:
+        yield _marker(unit, spec, done, END, failed=False, total=done)
+
+
+def _marker(unit: Unit, spec: ReadSpec, done: int, error: str, failed: bool, total: int | None) -> pa.Table:
+    """A row that stands for no input row: a unit's failure (`failed`) or its end, after `done` rows."""
+    source = pa.array([{"unit": unit.index, "file": str(unit.path), "row": done, "line": None, "failed": failed,
+                        "total": total, "end": not failed}], SOURCE_TYPE)
+    return pa.table({"id": pa.nulls(1), **{k: pa.nulls(1) for k in spec.keep}, TEXT: pa.nulls(1, pa.string()),
+                     ERROR: pa.array([error], pa.string()), SOURCE: source})
 
 
 def _table(index: int, chunk: Chunk) -> pa.Table:
@@ -87,6 +99,7 @@ def _table(index: int, chunk: Chunk) -> pa.Table:
     source = pa.StructArray.from_arrays(
         [pa.array(np.full(n, index, dtype=np.int64)), pa.array([chunk.path] * n, pa.string()),
          pa.array(np.arange(chunk.first_row, chunk.first_row + n, dtype=np.int64)), lines,
-         pa.array(np.zeros(n, dtype=bool)), pa.nulls(n, pa.int64())], fields=list(SOURCE_TYPE))
+         pa.array(np.zeros(n, dtype=bool)), pa.nulls(n, pa.int64()), pa.array(np.zeros(n, dtype=bool))],
+        fields=list(SOURCE_TYPE))
     return pa.table({"id": chunk.ids, **chunk.keep, TEXT: pa.array(chunk.texts, pa.string()),
                      ERROR: pa.array(chunk.errors, pa.string()), SOURCE: source})

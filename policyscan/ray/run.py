@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import input_file_sha256
 from policyscan.engine.inputs.rows import Chunk, ReadSpec
-from policyscan.engine.inputs.units import plan_units
+from policyscan.engine.inputs.units import Unit, plan_units
 from policyscan.engine.outputs.accounting import Accounting, OutputSpec, file_failure, row_error
 from policyscan.engine.outputs.run_output import Job, RunOutput, run_key, up_to_date
 from policyscan.engine.outputs.sinks import check_keep
@@ -36,6 +36,7 @@ from policyscan.engine.text.chat_template import choose_template, read_tokenizer
 from policyscan.engine.text.content import ContentGuard, Conversations
 from policyscan.ray.cluster import connect, plan_actors, probe, unwrap
 from policyscan.ray.read import ERROR, SOURCE, TEXT, pack, read_units, unpack
+from policyscan.ray.returned import ReturnedRows
 from policyscan.ray.scorer import PolicyScorer, scorer_columns
 
 RETRIES = 3  # runs of a batch after the first, each after its actor died (Ray's default: without end)
@@ -133,7 +134,7 @@ def _run(ray, model_dir: Path, policies: list[Policy], settings: EngineSettings,
         ds.context.execution_options.preserve_order = True  # the outputs' rows in input order
         ds.context.enable_progress_bars = progress
         batches = (t for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for t in unpack(b))
-    return _write(ray, batches, todo, job_of, run, spec, out, per_input)
+    return _write(ray, batches, todo, units, job_of, run, spec, out, per_input)
 
 
 class _ChunkScorer(PolicyScorer):
@@ -145,15 +146,16 @@ class _ChunkScorer(PolicyScorer):
         return pa.concat_tables(tables) if tables else batch
 
 
-def _write(ray, batches, todo: list[tuple[Job, list[str] | None]], job_of: list[int], run: RayRun, spec: ReadSpec,
-           out: OutputSpec, keyed: bool) -> Accounting:
+def _write(ray, batches, todo: list[tuple[Job, list[str] | None]], units: list[Unit], job_of: list[int],
+           run: RayRun, spec: ReadSpec, out: OutputSpec, keyed: bool) -> Accounting:
     """Each job's rows into its output, committed once its last unit is written (jobs come in order)."""
     total = Accounting()
     pending: pa.Table | None = None  # a batch's rows not written yet: those of a later job
     current: _Output | None = None
     try:
         for j, (job, shas) in enumerate(todo):
-            current = _Output(job, shas, run.policies, spec, out, keyed)
+            mine = [u for u, k in zip(units, job_of) if k == j]
+            current = _Output(job, shas, run.policies, spec, out, keyed, ReturnedRows(mine))
             while True:
                 if pending is None:
                     t = time.perf_counter()
@@ -179,8 +181,9 @@ class _Output:
     """One job's writers and accounting: the scorer's rows written as pipeline.score_chunk writes a chunk's."""
 
     def __init__(self, job: Job, shas: list[str] | None, policies: list[Policy], spec: ReadSpec, out: OutputSpec,
-                 keyed: bool):
+                 keyed: bool, returned: ReturnedRows):
         self.job, self.policies, self.keep, self.strict = job, policies, spec.keep, out.strict
+        self.returned = returned
         self.run = RunOutput(policies, job, spec, out, keyed, shas)
         self.writer, self.err, self.acc = self.run.writer, self.run.err, self.run.acc
 
@@ -194,7 +197,11 @@ class _Output:
         return batch.slice(mine) if mine < batch.num_rows else None
 
     def _write(self, t: pa.Table) -> None:
-        failed = t.column(SOURCE).combine_chunks().field("failed").to_numpy(zero_copy_only=False)
+        src = t.column(SOURCE).combine_chunks()
+        failed, end = (src.field(k).to_numpy(zero_copy_only=False) for k in ("failed", "end"))
+        self.returned.see(src.field("unit").to_numpy(), src.field("row").to_numpy(), failed | end)
+        if end.any():  # an end row stands for no input row
+            t, failed = t.filter(pa.array(~end)), failed[~end]
         edges = [0, *(np.flatnonzero(failed[1:] != failed[:-1]) + 1), len(failed)]
         for lo, hi in zip(edges, edges[1:]):
             if hi > lo:
@@ -231,6 +238,7 @@ class _Output:
             self.acc.above_threshold[pol.name] += int((p[:, j] >= pol.threshold).sum())
 
     def commit(self, run: RayRun) -> Accounting:
+        self.returned.finish()
         self.run.commit(run, ray=run.extra)
         err = f", {self.acc.rows_in_errors} rows in {self.job.errors}" \
             if self.acc.rows_in_errors or self.acc.files_in_errors else ""
