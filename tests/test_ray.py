@@ -120,6 +120,29 @@ def test_score_on_ray_with_an_actor_killed_writes_the_local_outputs_bit_for_bit_
     assert res.output.count("up to date") == 3 and "rows in 0 =" in res.output
 
 
+def test_a_row_that_does_not_come_back_from_ray_fails_its_output_by_name(arm, inputs, local, tmp_path, monkeypatch):
+    """A row lost on the way back (here: dropped from one returned chunk, as a lost retry would) fails that output
+    by its file, though its row count would balance; the outputs before it are written, it and those after are not."""
+    unpack, dropped = run_mod.unpack, []
+
+    def lossy(batch):
+        tables = unpack(batch)
+        for i, t in enumerate(tables):
+            src = t.column("_policyscan_source").to_pylist()
+            if not dropped and "more" in src[0]["file"] and t.num_rows > 2:
+                dropped.append(src[1])
+                tables[i] = pa.concat_tables([t.slice(0, 1), t.slice(2)])
+        return tables
+
+    monkeypatch.setattr(run_mod, "unpack", lossy)
+    res = run("score", *inputs, "-o", f"{tmp_path}/", *CPU, "--ray", ok=(1,))
+    assert dropped, "no chunk of more.jsonl came back with rows to drop"
+    assert "more.jsonl: the part from file row 0 came back with rows out of place" in res.output, res.output
+    assert "the output is not written" in res.output
+    assert pq.read_table(tmp_path / "logs.scores.parquet").equals(pq.read_table(local / "logs.scores.parquet"))
+    assert not [p.name for p in tmp_path.glob("more.scores.parquet*")] + [p.name for p in tmp_path.glob("ints.*")]
+
+
 # the command line with torch unimportable: `score --ray` plans, checks and writes without it (1.2-1.5 s of import)
 NO_TORCH = "import sys; sys.modules['torch'] = None\nfrom policyscan.cli.main import main; main()"
 
