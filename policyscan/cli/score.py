@@ -33,6 +33,7 @@ from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import input_file_sha256, not_regular
 from policyscan.engine.inputs.rows import ReadSpec, clip_chars
+from policyscan.engine.model.config import ModelConfig, read_config
 from policyscan.engine.outputs.accounting import Accounting, OutputSpec
 from policyscan.engine.outputs.run_output import run_key, up_to_date
 from policyscan.engine.outputs.sinks import check_keep, output_columns
@@ -132,7 +133,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
 
             total = score_on_ray(ray_address, model_dir, pols, settings, jobs, spec, out, per_input, workers,
                                  devices, progress)
-            _summary(pols, total, [])
+            _summary(pols, total, _length_note(model_dir, settings))
         else:
             total = _score(pool, pols, jobs, model_dir, settings, spec, out, per_input, progress)
     sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
@@ -157,7 +158,7 @@ def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_d
                    f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, "
                    f"{engine.device}]", err=True)
         total = _score_jobs(engine, jobs, spec, out, progress, per_input)
-        notes = [_time_split(engine, total)]
+        notes = [_time_split(engine, total), *_length_note(model_dir, settings)]
         if engine.precision_reason:
             notes.append(f"precision {engine.precision}, not FP8 (--precision auto): {engine.precision_reason}")
         _summary(engine.policies, total, notes)
@@ -168,7 +169,7 @@ def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_d
         total = _score_jobs(pool, jobs, spec, out, progress, per_input)
         deaths = [f"worker processes that died ({len(pool.deaths)}; their units went to the others): "
                   + "; ".join(pool.deaths)] if pool.deaths else []
-        _summary(pool.policies, total, deaths)
+        _summary(pool.policies, total, [*deaths, *_length_note(model_dir, settings)])
     return total
 
 
@@ -242,6 +243,15 @@ def _parquet_rows(files: list[Path]) -> int | None:
         return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     except (OSError, pa.ArrowException):  # an unreadable file is reported when it is read
         return None
+
+
+def _length_note(model_dir: Path, settings: EngineSettings) -> list[str]:
+    """What cut the prompts, when the model's positions are fewer than --max-length."""
+    cap = ModelConfig.from_dict(read_config(model_dir)).prompt_length(settings.max_length)
+    if cap == settings.max_length:
+        return []
+    return [f"prompts were cut at {cap} tokens, the model's max_position_embeddings, not --max-length "
+            f"{settings.max_length}: past them it reads positions it was never trained on"]
 
 
 def _summary(policies: list[Policy], acc: Accounting, notes: list[str]) -> None:

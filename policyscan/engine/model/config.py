@@ -99,6 +99,11 @@ class ModelConfig:
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
 
+    def prompt_length(self, max_length: int) -> int:
+        """Tokens a prompt may take: --max-length, or the model's positions (max_position_embeddings) when fewer.
+        Past them a prompt would be read at positions the model never saw, so it is cut there, and counted as cut."""
+        return min(max_length, self.max_position)
+
     def window(self, layer: int) -> int | None:
         """The sliding window of one layer's attention, None for full attention."""
         if self.sliding_layers is not None and not self.sliding_layers[layer]:

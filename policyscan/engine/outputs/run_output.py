@@ -53,8 +53,9 @@ class Job:
 
 # Raised with every change that can move a score or a prompt's tokens, so that `-o DIR/` scores again what an
 # earlier policyscan wrote (2: SentencePiece-style tokenizers encode the pieces after the prefix as they follow
-# other text; the CPU path's LoRA shrink is a GEMM; 3: special-token strings in conversation text encode as text).
-SCORING_REVISION = 3
+# other text; the CPU path's LoRA shrink is a GEMM; 3: special-token strings in conversation text encode as text;
+# 4: a prompt is cut at the model's max_position_embeddings when --max-length is more).
+SCORING_REVISION = 4
 
 
 def run_key(scorer: Scorer, spec: ReadSpec, out: OutputSpec, input_sha: str) -> str:

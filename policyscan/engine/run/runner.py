@@ -65,7 +65,8 @@ class Engine:
         _check_offsets(self.checkpoint.config, settings.batch_tokens)
         self.precision, self.precision_reason = (precision, None) if precision is not None else decide_precision(
             settings.precision, gpu, self.checkpoint.fp8, policies, settings.fp8_flip_limit)
-        sides = PolicyPrompts.for_policies(model_dir, policies, settings.max_length, settings.chat_template,
+        self.max_length = self.checkpoint.config.prompt_length(settings.max_length)
+        sides = PolicyPrompts.for_policies(model_dir, policies, self.max_length, settings.chat_template,
                                            settings.text_is_rendered)
         self.encoder, self.builders = sides.encoder, list(sides.builders)
         label_ids = [self.encoder.verdict_ids(p) for p in policies]
@@ -170,7 +171,7 @@ class Engine:
             # GPU results are reproducible bitwise only on the same GPU, CUDA and Triton (the kernels' code)
             **({"gpu": torch.cuda.get_device_name(self.device), "cuda_version": torch.version.cuda,
                 "triton_version": version("triton")} if self.device.type == "cuda" else {}),
-            "settings": asdict(self.settings),
+            "settings": asdict(self.settings), "max_length": self.max_length,
             "policies": [{"name": p.name, "path": str(p.path.resolve()), "adapter_sha256": p.adapter_sha256,
                           "labels": [p.compliant, p.violation], "verdict_token_ids": list(self.encoder.verdict_ids(p)),
                           "prefix": p.prefix, "suffix": p.suffix,
