@@ -46,6 +46,7 @@ def test_no_folder_at_the_checkout_root_shadows_an_installed_module():
     probe = ("import importlib.util, sys; names = sys.argv[1:]; "
              "print(' '.join(n for n in names if importlib.util.find_spec(n) is not None))")
     names = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and p.name.isidentifier() and p.name != "policyscan")
-    res = subprocess.run([sys.executable, "-P", "-c", probe, *names], cwd=ROOT / "tests", capture_output=True,
+    # -I: no script folder or working directory on sys.path, so only installed modules are found
+    res = subprocess.run([sys.executable, "-I", "-c", probe, *names], cwd=ROOT / "tests", capture_output=True,
                          text=True, timeout=120, check=True)
     assert res.stdout.split() == [], f"folders at the root named like installed modules: {res.stdout.split()}"

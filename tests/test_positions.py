@@ -4,6 +4,8 @@ cut, the run says so, and the metadata records the length used; the same convers
 gives bitwise the same scores."""
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 from cli_cases import SAMPLE, run
@@ -23,7 +25,7 @@ def test_prompts_past_the_models_positions_are_cut_there_and_said(tmp_path):
     src = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(rows), src)
     res = run("score", src, "-o", tmp_path / "default.parquet", *CPU)
-    assert "prompts were cut at 1024 tokens, the model's max_position_embeddings, not --max-length 2048" in res.output
+    assert "prompts capped at 1024 tokens, the model's max_position_embeddings, below --max-length 2048" in res.output
     got = pq.read_table(tmp_path / "default.parquet").to_pylist()
     assert [r["truncated"] for r in got] == [True, False], got
     meta = read_metadata(tmp_path / "default.parquet")
@@ -34,3 +36,18 @@ def test_prompts_past_the_models_positions_are_cut_there_and_said(tmp_path):
     assert "max_position_embeddings" not in res.output
     same = pq.read_table(tmp_path / "given.parquet")
     assert same.equals(pq.read_table(tmp_path / "default.parquet"))
+
+
+def test_a_template_longer_than_the_models_positions_is_refused_saying_so(tmp_path):
+    """--max-length above the model's positions cannot make room for a template that does not fit in them."""
+    import shutil
+
+    policy = tmp_path / "pii"
+    shutil.copytree(SAMPLE / "policies" / "pii", policy)
+    meta = json.loads((policy / "policy.json").read_text())
+    meta["template"]["prefix"] = "Policy: no personal data. " * 200 + "\nConversation:\n"
+    (policy / "policy.json").write_text(json.dumps(meta))
+    res = run("score", SAMPLE / "conversations.parquet", "-o", tmp_path / "o.parquet", "--policies", policy,
+              "--device", "cpu", "--max-length", "4096", "--batch-tokens", "8192", ok=(1,))
+    assert "leaving none of the 1024 a prompt may take (--max-length, or the model's max_position_embeddings" \
+        in res.output, res.output

@@ -162,7 +162,7 @@ def test_ctrl_c_mid_epoch_leaves_the_bundle_as_it_was(tmp_path):
     (None, ["--targets", "q,lm_head"], 2, "'lm_head'] is not among q, k, v"),
     (None, ["--rank", "0"], 2, "--rank"),
     ({"labels": {"compliant": " Violation here", "violation": " Violation"}}, [], 1, "start with the same token"),
-    ({"template": {"prefix": "alpha beta gamma " * 60, "suffix": "\nVerdict:"}}, [], 1, "leaving none of --max-length 128"),
+    ({"template": {"prefix": "alpha beta gamma " * 60, "suffix": "\nVerdict:"}}, [], 1, "leaving none of the 128 a prompt may take"),
 ])
 def test_a_policy_or_option_that_cannot_train_is_refused_before_any_training(tmp_path, change, args, code, message):
     policy = fresh_policy(tmp_path, **(change or {}))

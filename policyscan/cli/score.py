@@ -128,14 +128,15 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
         jobs = plan_jobs(files, output, per_input, fmt, errors_path)
         check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
         resolve_chat_template(model_dir, chat_template, pols, files, spec)
+        length_note = _length_note(model_dir, settings)  # config.json read now: not after outputs are written
         if ray_address is not None:
             from policyscan.ray.run import score_on_ray
 
             total = score_on_ray(ray_address, model_dir, pols, settings, jobs, spec, out, per_input, workers,
                                  devices, progress)
-            _summary(pols, total, _length_note(model_dir, settings))
+            _summary(pols, total, length_note)
         else:
-            total = _score(pool, pols, jobs, model_dir, settings, spec, out, per_input, progress)
+            total = _score(pool, pols, jobs, model_dir, settings, spec, out, per_input, progress, length_note)
     sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
 
 
@@ -149,7 +150,7 @@ def _check_no_address_among(inputs: tuple[str, ...]) -> None:
 
 
 def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_dir: Path, settings: EngineSettings,
-           spec: ReadSpec, out: OutputSpec, per_input: bool, progress: bool) -> Accounting:
+           spec: ReadSpec, out: OutputSpec, per_input: bool, progress: bool, length_note: list[str]) -> Accounting:
     if pool is None:
         from policyscan.engine.run.runner import Engine
 
@@ -158,7 +159,7 @@ def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_d
                    f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, "
                    f"{engine.device}]", err=True)
         total = _score_jobs(engine, jobs, spec, out, progress, per_input)
-        notes = [_time_split(engine, total), *_length_note(model_dir, settings)]
+        notes = [_time_split(engine, total), *length_note]
         if engine.precision_reason:
             notes.append(f"precision {engine.precision}, not FP8 (--precision auto): {engine.precision_reason}")
         _summary(engine.policies, total, notes)
@@ -169,7 +170,7 @@ def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_d
         total = _score_jobs(pool, jobs, spec, out, progress, per_input)
         deaths = [f"worker processes that died ({len(pool.deaths)}; their units went to the others): "
                   + "; ".join(pool.deaths)] if pool.deaths else []
-        _summary(pool.policies, total, [*deaths, *_length_note(model_dir, settings)])
+        _summary(pool.policies, total, [*deaths, *length_note])
     return total
 
 
@@ -246,12 +247,12 @@ def _parquet_rows(files: list[Path]) -> int | None:
 
 
 def _length_note(model_dir: Path, settings: EngineSettings) -> list[str]:
-    """What cut the prompts, when the model's positions are fewer than --max-length."""
+    """A line for the summary when the model's positions, fewer than --max-length, bound the prompts."""
     cap = ModelConfig.from_dict(read_config(model_dir)).prompt_length(settings.max_length)
     if cap == settings.max_length:
         return []
-    return [f"prompts were cut at {cap} tokens, the model's max_position_embeddings, not --max-length "
-            f"{settings.max_length}: past them it reads positions it was never trained on"]
+    return [f"prompts capped at {cap} tokens, the model's max_position_embeddings, below --max-length "
+            f"{settings.max_length}: past them it would read positions it was never trained on"]
 
 
 def _summary(policies: list[Policy], acc: Accounting, notes: list[str]) -> None:

@@ -150,12 +150,14 @@ def _write(ray, batches, todo: list[tuple[Job, list[str] | None]], units: list[U
            run: RayRun, spec: ReadSpec, out: OutputSpec, keyed: bool) -> Accounting:
     """Each job's rows into its output, committed once its last unit is written (jobs come in order)."""
     total = Accounting()
+    units_of: list[list[Unit]] = [[] for _ in todo]
+    for u, k in zip(units, job_of):
+        units_of[k].append(u)
     pending: pa.Table | None = None  # a batch's rows not written yet: those of a later job
     current: _Output | None = None
     try:
         for j, (job, shas) in enumerate(todo):
-            mine = [u for u, k in zip(units, job_of) if k == j]
-            current = _Output(job, shas, run.policies, spec, out, keyed, ReturnedRows(mine))
+            current = _Output(job, shas, run.policies, spec, out, keyed, ReturnedRows(units_of[j]))
             while True:
                 if pending is None:
                     t = time.perf_counter()

@@ -221,8 +221,10 @@ class PromptBuilder:
     def __post_init__(self) -> None:
         fixed = len(self.bos) + len(self.prefix) + max(len(self.suffix), len(self.suffix_after_special or ()))
         if fixed >= self.max_length:
-            raise PolicyError(f"the policy's prefix and suffix take {fixed} tokens, leaving none of "
-                              f"--max-length {self.max_length} for the conversation; raise --max-length")
+            raise PolicyError(f"the policy's prefix and suffix take {fixed} tokens, leaving none of the "
+                              f"{self.max_length} a prompt may take (--max-length, or the model's "
+                              "max_position_embeddings when fewer) for the conversation; shorten the template, or "
+                              "raise --max-length if it is the smaller")
 
     @classmethod
     def for_policy(cls, enc: TextEncoder, policy: Policy, max_length: int) -> "PromptBuilder":
