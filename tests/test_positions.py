@@ -51,3 +51,20 @@ def test_a_template_longer_than_the_models_positions_is_refused_saying_so(tmp_pa
               "--device", "cpu", "--max-length", "4096", "--batch-tokens", "8192", ok=(1,))
     assert "leaving none of the 1024 a prompt may take (--max-length, or the model's max_position_embeddings" \
         in res.output, res.output
+
+
+def test_verify_reproduces_a_capped_run_and_refuses_one_written_before_the_cap(tmp_path):
+    """An output's metadata records the length its prompts took: verify repeats the capped run bit for bit, and an
+    output from before the cap (no such record, --max-length above the model's positions) cannot be repeated."""
+    out = tmp_path / "o.parquet"
+    src = tmp_path / "logs.parquet"
+    pq.write_table(pq.read_table(SAMPLE / "conversations.parquet").slice(0, 3), src)
+    run("score", src, "-o", out, "--device", "cpu", "--threads", "1", "--no-progress")
+    res = run("verify", out)
+    assert "all reproduced bit for bit" in res.output, res.output
+    meta = read_metadata(out)
+    del meta["max_length"]
+    pq.write_table(pq.read_table(out).replace_schema_metadata({b"policyscan": json.dumps(meta).encode()}), out)
+    res = run("verify", out, ok=(1,))
+    assert "its prompts could take 2048 tokens, this policyscan cuts them at 1024" in res.output, res.output
+    assert "the run cannot be repeated" in res.output

@@ -40,7 +40,8 @@ def verify(output: str, sample: int, device: str | None) -> None:
     """Re-score the rows of SAMPLE ids of OUTPUT with the model, policies and settings its metadata records.
 
     Exit status: 0 every sampled row reproduced bit for bit, 4 some differ, 1 the run cannot be repeated
-    (a model, tokenizer, chat template, adapter or input file changed or is missing)."""
+    (a model, tokenizer, chat template, adapter or input file changed or is missing; or the output is from before
+    prompts were capped at the model's positions, with --max-length above them)."""
     out = Path(output)
     meta = read_metadata(out)
     if meta is None:
@@ -66,6 +67,11 @@ def verify(output: str, sample: int, device: str | None) -> None:
         raise PolicyscanError(f"{out}: the recorded settings cannot be run again: {e}") from e
     engine = Engine(meta["model"]["path"], policies, settings,
                     precision=Precision.from_record(numerics) if numerics else None)
+    if meta.get("max_length", s["max_length"]) != engine.max_length:
+        raise PolicyscanError(f"{out}: its prompts could take {meta.get('max_length', s['max_length'])} tokens, "
+                              f"this policyscan cuts them at {engine.max_length}, the model's "
+                              "max_position_embeddings (an output written before prompts were capped there); the "
+                              "run cannot be repeated: score it again")
     if _template_id(meta.get("chat_template")) != _template_id(engine.encoder.describe_template()):
         raise PolicyscanError(f"the chat template changed since the run: {meta.get('chat_template')} then, "
                               f"{engine.encoder.describe_template()} now")
