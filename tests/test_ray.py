@@ -82,11 +82,12 @@ def _meta(path: Path) -> dict:
 def _same_run(a: dict, b: dict) -> None:
     """Metadata of one run's output, made locally and on Ray: equal but for times, paths and Ray's own record."""
     assert {k for k in a if k not in ("ray", "errors_file")} == set(b) - {"errors_file"}
+    assert a["written_at"] and b["written_at"]  # when each was committed
     for k in b:
         if k == "accounting":
             assert {x: v for x, v in a[k].items() if "seconds" not in x} == \
                    {x: v for x, v in b[k].items() if "seconds" not in x}
-        elif k != "errors_file":
+        elif k not in ("errors_file", "written_at"):
             assert a[k] == b[k], k
 
 

@@ -4,6 +4,7 @@ belong with the others) is refused with what it is."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from html import unescape
 
@@ -15,6 +16,7 @@ from click.testing import CliRunner
 from report_cases import number, page_figures, score, timed_input
 
 from policyscan.cli.main import cli
+from policyscan.engine.outputs.sinks import read_metadata
 from policyscan.report.aggregate import Selection, summarize
 from policyscan.report.outputs import open_output
 from policyscan.report.review import queue_rows
@@ -109,6 +111,10 @@ def test_errors_by_reason_and_accounting(outs, tmp_path):
     assert any("malformed JSON" in k for k in errs) and any("null conversation" in k for k in errs)
     assert number(fig[("rows_scored",)]) == 40 + 10
     assert "rows in 52 = scored 50 + in errors 2 (balanced)" in html
+    # each output's time is the one score recorded when it committed the output, not the file's
+    written = read_metadata(outs["wide"])["written_at"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", written) and written in html
+    assert "file time" not in html
 
 
 def test_review_queue_is_labeled_data_for_calibrate_and_evaluate(outs, tmp_path):

@@ -169,12 +169,14 @@ def _provenance(s: Summary) -> str:
     out_rows = []
     for o, n in zip(s.outputs, s.rows_per_output):
         acc, meta = o.meta["accounting"], o.meta
-        written = datetime.datetime.fromtimestamp(o.path.stat().st_mtime, datetime.timezone.utc)
-        out_rows.append([cell(str(o.path)), cell(written.isoformat(timespec="seconds")), cell(n),
+        # when score committed it, as its metadata records; the file's time for outputs from before that record
+        written = meta.get("written_at") or datetime.datetime.fromtimestamp(
+            o.path.stat().st_mtime, datetime.timezone.utc).isoformat(timespec="seconds") + " (file time)"
+        out_rows.append([cell(str(o.path)), cell(written), cell(n),
                          cell(int(acc.get("rows_in", 0))), cell(int(acc.get("rows_in_errors", 0))),
                          cell(bool(acc.get("balanced"))), cell(meta.get("device")), cell(meta.get("precision")),
                          cell(meta.get("policyscan_version"))])
-    parts += ["<h3>Outputs</h3>", table(["output", "written (file time)", "conversations", "rows in", "in errors",
+    parts += ["<h3>Outputs</h3>", table(["output", "written", "conversations", "rows in", "in errors",
                                          "balanced", "device", "precision", "policyscan"], out_rows)]
     inputs = [(o.path.name, rec) for o in s.outputs for rec in o.meta.get("inputs", [])]
     parts += ["<h3>Inputs</h3>", table(["output", "input", "sha256", "changed while read"],

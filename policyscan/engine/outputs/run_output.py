@@ -3,6 +3,7 @@ hashes of the ids it wrote, and the metadata that names everything it depends on
 this process, a WorkerPool, a Ray run) writes through it and reports itself as a Scorer."""
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -113,6 +114,7 @@ class RunOutput:
                 "read": asdict(self.spec), "output": asdict(self.out),
                 "errors_file": str(job.errors) if self.err.count else None,
                 "accounting": {**asdict(acc), "balanced": acc.balanced},
+                "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "run_key": run_key(scorer, self.spec, self.out, shas[0]) if self.keyed and shas[0] is not None
                 else None}
         moves, remove = self.err.finish()
