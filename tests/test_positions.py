@@ -1,6 +1,6 @@
 """A prompt never runs past the model's positions: with --max-length above max_position_embeddings (the sample
 model has 1024, the default --max-length 2048), prompts are cut at the model's positions, marked and counted as
-cut, the run says so, and the metadata records the length used; the same conversation cut at --max-length 1024
+cut, the run says so when it cut one, and the metadata records the length used; the same conversation cut at --max-length 1024
 gives bitwise the same scores."""
 from __future__ import annotations
 
@@ -34,8 +34,12 @@ def test_prompts_past_the_models_positions_are_cut_there_and_said(tmp_path):
     # --max-length 1024 itself: the same prompts, so bitwise the same scores, and nothing to say
     res = run("score", src, "-o", tmp_path / "given.parquet", *CPU, "--max-length", "1024")
     assert "max_position_embeddings" not in res.output
-    same = pq.read_table(tmp_path / "given.parquet")
-    assert same.equals(pq.read_table(tmp_path / "default.parquet"))
+    assert pq.read_table(tmp_path / "given.parquet").equals(pq.read_table(tmp_path / "default.parquet"))
+    # no prompt cut: nothing said, and the metadata still records the length prompts could take
+    pq.write_table(pa.Table.from_pylist(rows[1:]), src)
+    res = run("score", src, "-o", tmp_path / "short.parquet", *CPU)
+    assert "truncated prompts 0" in res.output and "max_position_embeddings" not in res.output
+    assert read_metadata(tmp_path / "short.parquet")["max_length"] == 1024
 
 
 def test_a_template_longer_than_the_models_positions_is_refused_saying_so(tmp_path):

@@ -134,7 +134,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
 
             total = score_on_ray(ray_address, model_dir, pols, settings, jobs, spec, out, per_input, workers,
                                  devices, progress)
-            _summary(pols, total, length_note)
+            _summary(pols, total, length_note if total.truncated_prompts else [])
         else:
             total = _score(pool, pols, jobs, model_dir, settings, spec, out, per_input, progress, length_note)
     sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
@@ -159,7 +159,7 @@ def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_d
                    f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, "
                    f"{engine.device}]", err=True)
         total = _score_jobs(engine, jobs, spec, out, progress, per_input)
-        notes = [_time_split(engine, total), *length_note]
+        notes = [_time_split(engine, total), *(length_note if total.truncated_prompts else [])]
         if engine.precision_reason:
             notes.append(f"precision {engine.precision}, not FP8 (--precision auto): {engine.precision_reason}")
         _summary(engine.policies, total, notes)
@@ -170,7 +170,7 @@ def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_d
         total = _score_jobs(pool, jobs, spec, out, progress, per_input)
         deaths = [f"worker processes that died ({len(pool.deaths)}; their units went to the others): "
                   + "; ".join(pool.deaths)] if pool.deaths else []
-        _summary(pool.policies, total, [*deaths, *length_note])
+        _summary(pool.policies, total, [*deaths, *(length_note if total.truncated_prompts else [])])
     return total
 
 
@@ -247,7 +247,8 @@ def _parquet_rows(files: list[Path]) -> int | None:
 
 
 def _length_note(model_dir: Path, settings: EngineSettings) -> list[str]:
-    """A line for the summary when the model's positions, fewer than --max-length, bound the prompts."""
+    """A line for the summary when the model's positions, fewer than --max-length, bound the prompts (said when
+    some prompt was cut: the metadata's max_length records it in every run)."""
     cap = ModelConfig.from_dict(read_config(model_dir)).prompt_length(settings.max_length)
     if cap == settings.max_length:
         return []
