@@ -134,7 +134,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
 
             total = score_on_ray(ray_address, model_dir, pols, settings, jobs, spec, out, per_input, workers,
                                  devices, progress)
-            _summary(pols, total, length_note if total.truncated_prompts else [])
+            _summary(pols, total, [], length_note)
         else:
             total = _score(pool, pols, jobs, model_dir, settings, spec, out, per_input, progress, length_note)
     sys.exit(EXIT_ROW_ERRORS if total.rows_in_errors or total.files_in_errors else EXIT_OK)
@@ -159,10 +159,10 @@ def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_d
                    f"{engine.checkpoint.model_dir} [{engine.checkpoint.config.arch}, {engine.precision}, "
                    f"{engine.device}]", err=True)
         total = _score_jobs(engine, jobs, spec, out, progress, per_input)
-        notes = [_time_split(engine, total), *(length_note if total.truncated_prompts else [])]
+        notes = [_time_split(engine, total)]
         if engine.precision_reason:
             notes.append(f"precision {engine.precision}, not FP8 (--precision auto): {engine.precision_reason}")
-        _summary(engine.policies, total, notes)
+        _summary(engine.policies, total, notes, length_note)
     else:
         pool.expect(pols)
         click.echo(f"policyscan: {len(pols)} policies ({', '.join(p.name for p in pols)}) on {model_dir} "
@@ -170,7 +170,7 @@ def _score(pool: WorkerPool | None, pols: list[Policy], jobs: list[Job], model_d
         total = _score_jobs(pool, jobs, spec, out, progress, per_input)
         deaths = [f"worker processes that died ({len(pool.deaths)}; their units went to the others): "
                   + "; ".join(pool.deaths)] if pool.deaths else []
-        _summary(pool.policies, total, [*deaths, *(length_note if total.truncated_prompts else [])])
+        _summary(pool.policies, total, deaths, length_note)
     return total
 
 
@@ -247,8 +247,7 @@ def _parquet_rows(files: list[Path]) -> int | None:
 
 
 def _length_note(model_dir: Path, settings: EngineSettings) -> list[str]:
-    """A line for the summary when the model's positions, fewer than --max-length, bound the prompts (said when
-    some prompt was cut: the metadata's max_length records it in every run)."""
+    """A line for the summary when the model's positions, fewer than --max-length, bound the prompts."""
     cap = ModelConfig.from_dict(read_config(model_dir)).prompt_length(settings.max_length)
     if cap == settings.max_length:
         return []
@@ -256,8 +255,9 @@ def _length_note(model_dir: Path, settings: EngineSettings) -> list[str]:
             f"{settings.max_length}: past them it would read positions it was never trained on"]
 
 
-def _summary(policies: list[Policy], acc: Accounting, notes: list[str]) -> None:
-    """The row accounting, then `notes` (where the time went, a worker's death), then each policy's flag count."""
+def _summary(policies: list[Policy], acc: Accounting, notes: list[str], capped: list[str]) -> None:
+    """The row accounting, then `notes` (where the time went, a worker's death) and, when a prompt was cut,
+    `capped` (what bound it: the metadata's max_length records it in every run), then each policy's flag count."""
     tps = acc.prompt_tokens / acc.seconds if acc.seconds else 0.0
     check = "balanced" if acc.balanced else "NOT BALANCED"
     lines = [f"rows in {acc.rows_in} = scored {acc.rows_scored} + in errors {acc.rows_in_errors} ({check})"]
@@ -268,7 +268,7 @@ def _summary(policies: list[Policy], acc: Accounting, notes: list[str]) -> None:
     lines.append(f"prompt tokens {acc.prompt_tokens:,} in {acc.seconds:.2f} s ({tps:,.0f} tokens/s; waiting for "
                  f"input {acc.input_wait_seconds:.2f} s, writing {acc.output_seconds:.2f} s); "
                  f"truncated prompts {acc.truncated_prompts}")
-    lines += notes
+    lines += notes + (capped if acc.truncated_prompts else [])
     for p in policies:
         n = acc.above_threshold.get(p.name, 0)
         share = n / acc.rows_scored if acc.rows_scored else 0.0

@@ -67,8 +67,9 @@ def verify(output: str, sample: int, device: str | None) -> None:
         raise PolicyscanError(f"{out}: the recorded settings cannot be run again: {e}") from e
     engine = Engine(meta["model"]["path"], policies, settings,
                     precision=Precision.from_record(numerics) if numerics else None)
-    if meta.get("max_length", s["max_length"]) != engine.max_length:
-        raise PolicyscanError(f"{out}: its prompts could take {meta.get('max_length', s['max_length'])} tokens, "
+    took = meta.get("max_length", s["max_length"])  # outputs from before the cap record --max-length alone
+    if took != engine.max_length:
+        raise PolicyscanError(f"{out}: its prompts could take {took} tokens, "
                               f"this policyscan cuts them at {engine.max_length}, the model's "
                               "max_position_embeddings (an output written before prompts were capped there); the "
                               "run cannot be repeated: score it again")

@@ -82,7 +82,7 @@ def unit_tables(unit: Unit, spec: ReadSpec, render: Callable[[list], str], ends:
         yield _marker(unit, spec, done, str(e), failed=True, total=total)
         return
     if ends:
-        yield _marker(unit, spec, done, END, failed=False, total=done)
+        yield _marker(unit, spec, done, END, failed=False, total=None)
 
 
 def _marker(unit: Unit, spec: ReadSpec, done: int, error: str, failed: bool, total: int | None) -> pa.Table:

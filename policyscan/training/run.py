@@ -80,8 +80,7 @@ def train_policy(job: TrainJob, progress: Callable[[str, float], None] | None = 
     precision = job.precision if job.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     ckpt = Checkpoint.open(job.model_dir)  # config against the weights' headers, before any weight is read
     prompts = PolicyPrompts.for_policies(job.model_dir, [policy], ckpt.config.prompt_length(job.max_length),
-                                         job.chat_template,
-                                         job.text_is_rendered)
+                                         job.chat_template, job.text_is_rendered)
     label_ids = prompts.encoder.verdict_ids(policy)
     check_token_ids(prompts.encoder, ckpt, [policy], [label_ids])
     errors = ErrorWriter(job.errors)
