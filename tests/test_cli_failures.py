@@ -7,9 +7,9 @@ import shutil
 import sys
 
 import pyarrow.parquet as pq
+from cli_cases import SAMPLE, run
 from click.testing import CliRunner
 
-from cli_cases import SAMPLE, run
 from policyscan.cli.main import cli
 
 
@@ -76,12 +76,12 @@ def test_wrong_adapter_for_the_model(tmp_path):
 
 def test_a_text_the_tokenizer_drops_is_an_error_row(tmp_path):
     """Some tokenizers normalize a text to nothing; with no BOS or template that would be an empty prompt."""
+    from policyscan.engine.inputs.sources import ReadSpec
     from policyscan.engine.outputs.accounting import OutputSpec
-    from policyscan.engine.run.pipeline import score_inputs
     from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.run.pipeline import score_inputs
     from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
-    from policyscan.engine.inputs.sources import ReadSpec
 
     engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", max_length=256))
     real = engine.encoder.encode_batch
@@ -134,4 +134,7 @@ def test_engine_setting_errors_are_for_people():
     res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--max-length", "10"])
     assert res.exit_code == 1 and "raise --max-length" in res.output
     res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--batch-tokens", "100"])
-    assert res.exit_code == 2 and "--batch-tokens (100) must be at least --max-length" in res.output
+    assert res.exit_code == 2 and "--batch-tokens (100) must be at least the 1024 tokens a prompt may take" in res.output
+    res = CliRunner().invoke(cli, ["score", str(SAMPLE / "conversations.parquet"), "--batch-tokens", "100",
+                                   "--max-length", "512"])
+    assert res.exit_code == 2 and "--batch-tokens (100) must be at least --max-length (512)" in res.output

@@ -8,10 +8,14 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from cli_cases import SAMPLE, run
 
 from policyscan.engine.model.config import ModelConfig, read_config
 from policyscan.engine.outputs.sinks import read_metadata
+from policyscan.engine.policy.bundle import load_policies
+from policyscan.engine.run.runner import Engine
+from policyscan.engine.settings import EngineSettings, OptionError
 
 CPU = ["--device", "cpu", "--threads", "1", "--raw", "--mark-truncated", "--batch-tokens", "4096"]
 
@@ -35,6 +39,14 @@ def test_prompts_past_the_models_positions_are_cut_there_and_said(tmp_path):
     res = run("score", src, "-o", tmp_path / "given.parquet", *CPU, "--max-length", "1024")
     assert "max_position_embeddings" not in res.output
     assert pq.read_table(tmp_path / "given.parquet").equals(pq.read_table(tmp_path / "default.parquet"))
+    # a batch need only hold the prompt the model allows, whatever --max-length asks
+    run("score", src, "-o", tmp_path / "small_batch.parquet", *CPU, "--batch-tokens", "1024")
+    assert pq.read_table(tmp_path / "small_batch.parquet").equals(pq.read_table(tmp_path / "default.parquet"))
+    res = run("score", src, "-o", tmp_path / "x.parquet", *CPU, "--batch-tokens", "1000", ok=(2,))
+    assert ("--batch-tokens (1000) must be at least the 1024 tokens a prompt may take (the model's "
+            "max_position_embeddings, below --max-length 2048)") in res.output, res.output
+    with pytest.raises(OptionError, match=r"--batch-tokens \(1000\) must be at least the 1024 tokens"):
+        Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", batch_tokens=1000))
     # no prompt cut: nothing said, and the metadata still records the length prompts could take
     pq.write_table(pa.Table.from_pylist(rows[1:]), src)
     res = run("score", src, "-o", tmp_path / "short.parquet", *CPU)

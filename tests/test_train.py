@@ -157,6 +157,21 @@ def test_ctrl_c_mid_epoch_leaves_the_bundle_as_it_was(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pii"]  # no staging folder, no errors file
 
 
+def test_the_models_positions_bound_training_prompts_as_they_bound_score(tmp_path):
+    """A model of 128 positions under --max-length 2048: the trainer cuts prompts where score does (the parity check
+    would fail otherwise), and the record gives the length used, as score's metadata does."""
+    model = tmp_path / "model"
+    shutil.copytree(SAMPLE / "model", model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 128}))
+    policy = fresh_policy(tmp_path)
+    job = TrainJob(model, policy, (LABELED,), ReadSpec(), tmp_path / "errors.jsonl",
+                   loop=LoopSettings(epochs=1, batch_tokens=2048), label_column="pii", max_length=2048)
+    result = train_policy(job, say=lambda _: None)
+    assert result.record["max_length"] == 128
+    assert json.loads((policy / "policy.json").read_text())["training"]["max_length"] == 128
+
+
 @pytest.mark.parametrize("change, args, code, message", [
     (None, ["--holdout", "0.99"], 2, "--holdout"),
     (None, ["--targets", "q,lm_head"], 2, "'lm_head'] is not among q, k, v"),

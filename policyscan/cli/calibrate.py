@@ -65,7 +65,7 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
     of a class is a usage error (exit 2) unless --force or --dry-run."""
     if text_column and messages_column:
         raise click.UsageError("give --text-column or --messages-column, not both")
-    check_lengths(batch_tokens, max_length)
+    check_lengths(batch_tokens, max_length, Path(model or default_model()))
     if plot:
         require_matplotlib()  # before the scoring, not after it
     policy = load_policy(policy_dir)

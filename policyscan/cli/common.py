@@ -16,6 +16,7 @@ from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.files import check_regular
 from policyscan.engine.inputs.jsonl import parsed_lines
 from policyscan.engine.inputs.sources import ReadSpec, expand_inputs, pick_column
+from policyscan.engine.model.config import ModelConfig, read_config
 from policyscan.engine.settings import (
     MAX_BATCH_TOKENS,
     MAX_DEVICES,
@@ -181,10 +182,11 @@ def check_devices(ctx, param, value: str) -> str:
                              f"{MAX_DEVICES} separated by commas, such as 0,2")
 
 
-def check_lengths(batch_tokens: int, max_length: int) -> None:
-    if batch_tokens < max_length:
-        raise click.UsageError(f"--batch-tokens ({batch_tokens}) must be at least --max-length ({max_length}): "
-                               "a whole prompt must fit in one batch")
+def check_lengths(batch_tokens: int, max_length: int, model_dir: Path) -> None:
+    """Before any input is read: a packed batch holds a whole prompt, as long as the model lets a prompt be."""
+    if batch_tokens < max_length:  # only then does the model's config.json matter
+        if small := ModelConfig.from_dict(read_config(model_dir)).batch_too_small(batch_tokens, max_length):
+            raise click.UsageError(small)
 
 
 def input_files(inputs: list[str]) -> list[Path]:

@@ -79,7 +79,7 @@ def evaluate(labeled, policy_dirs, label_column, from_scores, target_recall, tar
     target = _target(target_recall, target_precision, max_f1, write)
     if text_column and messages_column:
         raise click.UsageError("give --text-column or --messages-column, not both")
-    check_lengths(batch_tokens, max_length)
+    check_lengths(batch_tokens, max_length, Path(model or default_model()))
     policies = [load_policy(d) for d in policy_dirs]
     if len({p.name for p in policies}) != len(policies):
         raise click.UsageError("a policy is named twice among --policy; give each once")

@@ -98,7 +98,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     Exit status: 0 all rows scored, 3 finished with rows in the errors file, 2 usage error, 1 failure."""
     if text_column and messages_column:
         raise click.UsageError("give --text-column or --messages-column, not both")
-    check_lengths(batch_tokens, max_length)
+    check_lengths(batch_tokens, max_length, Path(model or default_model()))
     ray_address = ray_address if ray_address is not None else "" if ray else None
     if ray_address is not None:
         _check_no_address_among(inputs)

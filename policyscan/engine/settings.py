@@ -97,6 +97,3 @@ class EngineSettings:
             check_int("--threads", self.threads, 1, max_threads(), f"{THREADS_PER_CPU} per CPU of this machine")
         check_int("--max-length", self.max_length, MIN_TOKENS, MAX_LENGTH_LIMIT, "tokens of one prompt")
         check_int("--batch-tokens", self.batch_tokens, MIN_TOKENS, MAX_BATCH_TOKENS, "tokens of one packed batch")
-        if self.batch_tokens < self.max_length:
-            raise OptionError(f"--batch-tokens ({self.batch_tokens}) must be at least --max-length "
-                              f"({self.max_length}): a whole prompt must fit in one batch")

@@ -199,7 +199,8 @@ def _record(job: TrainJob, ckpt: Checkpoint, ex: Examples, result: Fit, check: b
         "rows": ex.counts(), "label_column": ex.label_column,
         "lora": {"rank": job.lora.rank, "alpha": job.lora.alpha, "targets": list(job.lora.targets),
                  "rslora": job.lora.rslora},
-        "loop": asdict(job.loop), "holdout_fraction": job.holdout, "max_length": job.max_length,
+        "loop": asdict(job.loop), "holdout_fraction": job.holdout,
+        "max_length": ckpt.config.prompt_length(job.max_length),  # the length prompts were cut at, as score records
         "precision": precision, "device": str(device), "deterministic_algorithms": deterministic,
         "epochs_run": len(result.epochs), "best_epoch": result.best_epoch,
         "untrained": asdict(result.initial), "epochs": [asdict(e) for e in result.epochs],

@@ -104,6 +104,17 @@ class ModelConfig:
         Past them a prompt would be read at positions the model never saw, so it is cut there, and counted as cut."""
         return min(max_length, self.max_position)
 
+    def batch_too_small(self, batch_tokens: int, max_length: int) -> str | None:
+        """Why a packed batch of batch_tokens tokens cannot hold a whole prompt, or None when it can. The bound is
+        the length prompts are cut at, so a --max-length above the model's positions asks no more of the batch."""
+        need = self.prompt_length(max_length)
+        if batch_tokens >= need:
+            return None
+        bound = (f"--max-length ({max_length})" if need == max_length else
+                 f"the {need} tokens a prompt may take (the model's max_position_embeddings, below --max-length "
+                 f"{max_length})")
+        return f"--batch-tokens ({batch_tokens}) must be at least {bound}: a whole prompt must fit in one batch"
+
     def window(self, layer: int) -> int | None:
         """The sliding window of one layer's attention, None for full attention."""
         if self.sliding_layers is not None and not self.sliding_layers[layer]:

@@ -18,7 +18,7 @@ from policyscan.engine.model.precision import Precision, decide_precision
 from policyscan.engine.policy.bundle import Policy
 from policyscan.engine.run.batch import pack, plan_batches
 from policyscan.engine.run.graphs import GraphedForward
-from policyscan.engine.settings import EngineSettings, version
+from policyscan.engine.settings import EngineSettings, OptionError, version
 from policyscan.engine.text.prompts import PolicyPrompts, TextEncoder
 from policyscan.engine.warmup import compile_start
 from policyscan.engine.warmup.compile_ahead import (
@@ -62,6 +62,8 @@ class Engine:
             from policyscan.kernels import cpu_rows
             cpu_rows.set_threads(settings.threads or default_threads())
         self.checkpoint = Checkpoint.open(model_dir)
+        if small := self.checkpoint.config.batch_too_small(settings.batch_tokens, settings.max_length):
+            raise OptionError(small)
         _check_offsets(self.checkpoint.config, settings.batch_tokens)
         self.precision, self.precision_reason = (precision, None) if precision is not None else decide_precision(
             settings.precision, gpu, self.checkpoint.fp8, policies, settings.fp8_flip_limit)
