@@ -61,7 +61,8 @@ def test_platt_needs_both_classes():
 
 
 def test_metrics_against_sklearn():
-    from sklearn.metrics import brier_score_loss, log_loss as sk_log_loss, roc_auc_score
+    from sklearn.metrics import brier_score_loss, roc_auc_score
+    from sklearn.metrics import log_loss as sk_log_loss
 
     rng = _rng()
     y = rng.random(500) < 0.4
@@ -143,10 +144,10 @@ def test_calibrate_names_a_labeled_row_the_tokenizer_drops(tmp_path):
     """Every labeled row must be scored: one that encodes to nothing stops the fit, naming its file and row."""
     from policyscan.calibration.labeled import score_labeled
     from policyscan.engine.errors import InputError
+    from policyscan.engine.inputs.sources import ReadSpec
     from policyscan.engine.policy.bundle import load_policies
     from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
-    from policyscan.engine.inputs.sources import ReadSpec
 
     engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"])[:1], EngineSettings("cpu", max_length=256))
     real = engine.encoder.encode_batch

@@ -10,16 +10,16 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
-import pytest
 import pyarrow.parquet as pq
+import pytest
+from cli_cases import MSG, SAMPLE, run
 from click.testing import CliRunner
 
-from cli_cases import MSG, SAMPLE, run
 from policyscan.cli.main import cli
-from policyscan.engine.outputs import run_output
-from policyscan.engine.run import pipeline
 from policyscan.engine.model.checkpoint import Checkpoint
+from policyscan.engine.outputs import run_output
 from policyscan.engine.outputs.sinks import read_metadata
+from policyscan.engine.run import pipeline
 
 
 def test_sample_parquet_wide_with_metadata(tmp_path, sample_slice):
@@ -192,12 +192,12 @@ def test_verify_reports_a_changed_row(tmp_path, sample_slice):
 
 def test_many_chunks_and_two_inputs_into_one_output(tmp_path, sample_slice):
     """Chunked reading and writing keep every row, in order, across chunks and files."""
+    from policyscan.engine.inputs.sources import ReadSpec
     from policyscan.engine.outputs.accounting import OutputSpec
-    from policyscan.engine.run.pipeline import score_inputs
     from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.run.pipeline import score_inputs
     from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
-    from policyscan.engine.inputs.sources import ReadSpec
 
     engine = Engine(SAMPLE / "model", load_policies([SAMPLE / "policies"]), EngineSettings("cpu", batch_tokens=4096))
     out = tmp_path / "o.parquet"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from policyscan.engine.warmup import compile_ahead as ca
 from policyscan.engine.parallel import worker_start
+from policyscan.engine.warmup import compile_ahead as ca
 from policyscan.engine.warmup import compile_start
 from policyscan.engine.warmup.compile_procs import Compilers
 

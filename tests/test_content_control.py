@@ -12,9 +12,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from tokenizers import decoders
 from test_guard_recipes import FAMILIES, toks  # noqa: F401 (toks: the fixture tokenizers of each family)
 from test_sentencepiece import sentencepiece_tokenizer
+from tokenizers import decoders
 
 from policyscan.engine.text.content import BRK, ESC, ContentGuard
 from policyscan.engine.text.prompts import TextEncoder

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from hf_fixtures import make_bundle
-from policyscan.engine.run.batch import pack
-from policyscan.engine.model.checkpoint import Checkpoint
+
 from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.model.loader import attach_policies, load_decoder
-from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.model.precision import Precision
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.run.batch import pack
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
 from policyscan.kernels import cpu_rows, reference

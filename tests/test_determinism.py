@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from hf_fixtures import hf_config, make_model, write_policies
+
 from policyscan.engine.outputs.sinks import read_metadata
 
 SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"

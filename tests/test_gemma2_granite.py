@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import hf_scores, make_bundle
-from policyscan.engine.run.batch import pack
+
+from policyscan.engine.errors import CheckpointError
 from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.model.config import ModelConfig
-from policyscan.engine.errors import CheckpointError
 from policyscan.engine.model.loader import attach_policies, load_decoder
-from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.model.precision import Precision
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.run.batch import pack
 from policyscan.kernels import reference
 from policyscan.kernels.reference import AttnShape, PrefixKV
 

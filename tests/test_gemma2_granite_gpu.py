@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import make_bundle
-from policyscan.engine.run.batch import pack
 from test_gpu_engine import decoder
+
+from policyscan.engine.run.batch import pack
 
 pytestmark = pytest.mark.gpu
 

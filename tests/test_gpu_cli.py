@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from test_cli import SAMPLE, run
 
 from policyscan.engine.outputs.sinks import read_metadata
-from test_cli import SAMPLE, run
 
 pytestmark = pytest.mark.gpu
 SRC = SAMPLE / "conversations.parquet"

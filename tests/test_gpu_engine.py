@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import WIDE_SPECS, hf_scores, make_bundle
-from policyscan.engine.run.batch import pack
+
 from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.model.loader import attach_policies, load_decoder
-from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.model.precision import Precision
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.run.batch import pack
 
 pytestmark = pytest.mark.gpu
 LABELS = [(3, 7), (11, 5), (20, 21)]

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import make_bundle
-from policyscan.engine.run.batch import pack
+
 from policyscan.engine.model.checkpoint import Checkpoint
-from policyscan.engine.run.graphs import fill, static_batch
 from policyscan.engine.model.loader import attach_policies, load_decoder
-from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.model.precision import Precision
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.run.batch import pack
+from policyscan.engine.run.graphs import fill, static_batch
 from policyscan.kernels import reference
 
 LABELS = [(3, 7), (11, 5), (20, 21)]

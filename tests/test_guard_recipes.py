@@ -18,9 +18,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from policyscan.engine.errors import PolicyError
 from policyscan.engine.policy.bundle import load_policy
-from policyscan.engine.text.prompts import PromptBuilder, TextEncoder
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
+from policyscan.engine.text.prompts import PromptBuilder, TextEncoder
 
 GUARDS = Path(__file__).resolve().parent.parent / "examples" / "guards"
 

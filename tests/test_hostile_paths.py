@@ -18,22 +18,22 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from cli_cases import SAMPLE
-from policyscan.engine.outputs import sinks
+
 from policyscan.engine import files
-from policyscan.engine.run import pipeline
-from policyscan.engine.inputs.discover import expand_inputs
 from policyscan.engine.errors import InputError
+from policyscan.engine.inputs.discover import expand_inputs
+from policyscan.engine.inputs.sources import ReadSpec, read_chunks
+from policyscan.engine.outputs import sinks
 from policyscan.engine.outputs.accounting import OutputSpec, StrictStop
 from policyscan.engine.outputs.run_output import run_key, up_to_date
-from policyscan.engine.run.pipeline import score_inputs
-from policyscan.engine.policy.bundle import load_policies
-from policyscan.engine.run.runner import Engine
-from policyscan.engine.settings import EngineSettings
-from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 from policyscan.engine.parallel.workers import WorkerConfig, WorkerPool
 from policyscan.engine.parallel.workers_run import score_inputs_workers
+from policyscan.engine.policy.bundle import load_policies
+from policyscan.engine.run import pipeline
+from policyscan.engine.run.pipeline import score_inputs
+from policyscan.engine.run.runner import Engine
+from policyscan.engine.settings import EngineSettings
 
 LINES = (SAMPLE / "conversations.jsonl").read_text().splitlines(keepends=True)
 SETTINGS = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)

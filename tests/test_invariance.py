@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_fixtures import make_bundle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_fixtures import make_bundle
-from policyscan.engine.run.batch import pack
 from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.model.loader import attach_policies, load_decoder
-from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.model.precision import Precision
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.run.batch import pack
 
 LABELS = [(3, 7), (11, 5), (20, 21)]
 VARIANTS = [pytest.param("cpu", torch.float32, False, id="cpu-fp32"),
@@ -79,9 +79,9 @@ def test_prefix_cache_is_bitwise_recompute(device, precision):
     import pyarrow.parquet as pq
 
     from policyscan.engine.policy.bundle import load_policies
-    from policyscan.engine.text.prompts import render_messages
     from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
+    from policyscan.engine.text.prompts import render_messages
 
     sample = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
     pols = load_policies([sample / "policies"])

@@ -13,10 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from cli_cases import SAMPLE
-from policyscan.engine.settings import OptionError
+
 from policyscan.engine.outputs.sinks import ScoreWriter, check_keep, commit_together, output_columns, read_metadata
+from policyscan.engine.settings import OptionError
 
 COLUMNS = ["id", "uid", "text", "p_pii", "f_pii", "flagged_pii", "truncated", "policy", "p", "f", "flagged", "note"]
 

@@ -7,9 +7,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kernel_cases import (
+    CPU,
+    CPU_ATTN_SHAPES,
+    GPU,
+    GPU_ATTN_SHAPES,
+    adapters_for,
+    check,
+    further_from,
+    gemm_case,
+    gen,
+    lora_stack,
+    packed,
+    shrink_in_k_order,
+    up64,
+)
 
-from kernel_cases import (CPU, CPU_ATTN_SHAPES, GPU, GPU_ATTN_SHAPES, adapters_for, check, further_from, gemm_case,
-                          gen, lora_stack, packed, shrink_in_k_order, up64)
 from policyscan.kernels import reference
 from policyscan.kernels.reference import PrefixKV
 

@@ -6,16 +6,16 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from cli_cases import SAMPLE
 from hf_fixtures import SPECS, make_model, make_policy
-from policyscan.engine.model.checkpoint import Checkpoint
-from policyscan.engine.files import in_background
+from safetensors.torch import load_file, save_file
+
 from policyscan.engine.errors import CheckpointError, PolicyError
+from policyscan.engine.files import in_background
+from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.model.loader import attach_policies, load_decoder
-from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.model.precision import Precision
+from policyscan.engine.policy.bundle import load_policy
 from policyscan.kernels import reference
 
 

@@ -9,10 +9,10 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_sources import render, rows
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.inputs.sources import ReadSpec, expand_inputs, read_chunks
-from test_sources import render, rows
 
 
 def test_invalid_utf8_byte_costs_its_line_only(tmp_path):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import shutil
 
+from cli_cases import SAMPLE, run
 from click.testing import CliRunner
 
-from cli_cases import SAMPLE, run
 from policyscan.cli.main import cli
 
 

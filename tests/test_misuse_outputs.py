@@ -16,9 +16,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_cases import SAMPLE
 from click.testing import CliRunner
 
-from cli_cases import SAMPLE
 from policyscan.cli.main import cli
 
 

@@ -8,9 +8,9 @@ import shutil
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from cli_cases import SAMPLE
 from click.testing import CliRunner
 
-from cli_cases import SAMPLE
 from policyscan.calibration.labeled import id_fraction
 from policyscan.cli.main import cli
 

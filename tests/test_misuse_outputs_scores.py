@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from cli_cases import SAMPLE
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from cli_cases import SAMPLE
 from policyscan.cli.main import cli
 from policyscan.engine.outputs.sinks import read_metadata
 

@@ -11,16 +11,16 @@ import sys
 
 import pytest
 import torch
+from cli_cases import SAMPLE
 from safetensors.torch import load_file, save_file
 
-from cli_cases import SAMPLE
-from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.errors import CheckpointError, PolicyError
 from policyscan.engine.json_schema import Field, check
+from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.policy.bundle import load_policies, load_policy
-from policyscan.engine.text.prompts import TextEncoder
 from policyscan.engine.run.runner import Engine, check_token_ids
 from policyscan.engine.settings import EngineSettings
+from policyscan.engine.text.prompts import TextEncoder
 
 GONE = object()  # a config change that deletes the key
 NAN = float("nan")

@@ -9,12 +9,19 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
 from cli_cases import SAMPLE
 from test_keep_collisions import policyscan
-from policyscan.engine.settings import (MAX_BATCH_TOKENS, MAX_DEVICES, MAX_LENGTH_LIMIT, EngineSettings, OptionError,
-                                        max_threads, max_workers)
+
 from policyscan.engine.outputs.sinks import read_metadata
+from policyscan.engine.settings import (
+    MAX_BATCH_TOKENS,
+    MAX_DEVICES,
+    MAX_LENGTH_LIMIT,
+    EngineSettings,
+    OptionError,
+    max_threads,
+    max_workers,
+)
 
 CPUS = os.cpu_count() or 1
 LOGS = SAMPLE / "conversations.parquet"

@@ -9,8 +9,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from policyscan.cli.main import cli
-from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.model.precision import choose_precision
+from policyscan.engine.policy.bundle import load_policy
 
 SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 

@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 
 from policyscan.cli.main import cli
 from policyscan.engine.errors import PolicyError
+from policyscan.engine.outputs.sinks import read_metadata
 from policyscan.engine.policy.bundle import load_policies, load_policy
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
-from policyscan.engine.outputs.sinks import read_metadata
 
 SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 TEXTS = ["user: my SSN is 123-45-6789.\nassistant: noted.", "user: should I buy index funds?",

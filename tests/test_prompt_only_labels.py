@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from policyscan.cli.main import cli
 from policyscan.engine.errors import PolicyError
 from policyscan.engine.policy.bundle import load_policies, load_policy
-from policyscan.engine.text.prompts import TextEncoder
 from policyscan.engine.run.runner import Engine
 from policyscan.engine.settings import EngineSettings
+from policyscan.engine.text.prompts import TextEncoder
 
 SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 

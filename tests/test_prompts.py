@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from policyscan.engine.errors import CheckpointError
+from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.text.prompts import PromptBuilder, TextEncoder
-from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 
 SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 

@@ -18,10 +18,11 @@ pytest.importorskip("ray.data")
 
 from cli_cases import SAMPLE, run  # noqa: E402
 from faults import actor_killer  # noqa: E402
+
 from policyscan.cli.main import cli  # noqa: E402
-from policyscan.ray import run as run_mod  # noqa: E402
 from policyscan.engine.settings import EngineSettings  # noqa: E402
 from policyscan.ray import PolicyScorer  # noqa: E402
+from policyscan.ray import run as run_mod  # noqa: E402
 
 SETTINGS = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)
 CPU = ["--device", "cpu", "--batch-tokens", "4096", "--max-length", "256", "--threads", "1", "--raw", "--no-progress"]

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from kernel_cases import CPU, GPU, check, gemm_case, gen, up64
+
 from policyscan.kernels import reference
 from policyscan.kernels.reference import AttnShape, RopeCols
 

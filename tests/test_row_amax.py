@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_cases import CPU, CPU_ATTN_SHAPES, GPU, GPU_ATTN_SHAPES, adapters_for, gemm_case, gen, lora_stack, packed
+
 from policyscan.kernels import reference
 
 triton = pytest.importorskip("triton")
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.prologue import prologue  # noqa: E402
+
 
 def row_max(y: torch.Tensor) -> torch.Tensor:
     return y.float().abs().amax(1)

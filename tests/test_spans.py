@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_cases import gemm_case, gen
+
 from policyscan.engine.model.layers import DenseLoraLinear, LoraStack, Prologue
 from policyscan.kernels import reference
 from policyscan.kernels.spans import ALIGN, RankSpans, rank_spans

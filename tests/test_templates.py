@@ -9,10 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from policyscan.cli.main import cli
-from policyscan.engine.text.chat_template import TemplateChoiceError, choose_template, model_templates
-from policyscan.engine.policy.bundle import load_policy
-from policyscan.engine.text.prompts import TextEncoder
 from policyscan.engine.outputs.sinks import read_metadata
+from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.text.chat_template import TemplateChoiceError, choose_template, model_templates
+from policyscan.engine.text.prompts import TextEncoder
 
 SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]

@@ -16,19 +16,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-
 from faults import kill_workers_taking
+
 from policyscan.engine.errors import PolicyscanError
-from policyscan.engine.outputs.accounting import OutputSpec
-from policyscan.engine.run.pipeline import score_inputs
-from policyscan.engine.policy.bundle import load_policies
-from policyscan.engine.run.runner import Engine
-from policyscan.engine.settings import EngineSettings
-from policyscan.engine.inputs.sources import ReadSpec
-from policyscan.engine.inputs.sources import read_chunks
+from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 from policyscan.engine.inputs.units import LineRange, RowSlice, plan_units, range_lines, unit_chunks
+from policyscan.engine.outputs.accounting import OutputSpec
 from policyscan.engine.parallel.workers import WorkerConfig, WorkerPool, parse_devices
 from policyscan.engine.parallel.workers_run import score_inputs_workers
+from policyscan.engine.policy.bundle import load_policies
+from policyscan.engine.run.pipeline import score_inputs
+from policyscan.engine.run.runner import Engine
+from policyscan.engine.settings import EngineSettings
 
 SAMPLE = Path(__file__).resolve().parent.parent / "policyscan" / "sample_data"
 SETTINGS = EngineSettings("cpu", batch_tokens=4096, max_length=256, threads=1)  # 1 thread: workers share 2 cores
