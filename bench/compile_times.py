@@ -27,7 +27,7 @@ from e2e import prepare  # noqa: E402
 from policyscan.engine.policy.bundle import load_policies  # noqa: E402
 from policyscan.engine.run.runner import Engine  # noqa: E402
 from policyscan.engine.settings import EngineSettings  # noqa: E402
-from policyscan.engine.warmup.compile_ahead import _dry_run, shape_classes  # noqa: E402
+from policyscan.engine.warmup.compile_ahead import dry_run, shape_classes  # noqa: E402
 from policyscan.engine.warmup.compile_procs import KERNEL_MODULES, Compilers  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def main() -> None:
     engine = Engine(root / "model", load_policies([root / "bundles"]), settings)
     heads = [b.head for b in engine.builders]
     t0 = time.perf_counter()
-    variants = _dry_run(engine.decoder, heads, shape_classes(settings.batch_tokens, settings.cuda_graphs),
+    variants = dry_run(engine.decoder, heads, shape_classes(settings.batch_tokens, settings.cuda_graphs),
                         lambda v: None)
     print(f"dry run: {len(variants)} variants in {time.perf_counter() - t0:.2f} s", flush=True)
     modules = sorted({v.module for v in variants})

@@ -34,7 +34,7 @@ def fake(monkeypatch, tmp_path):
         for v in variants:
             offer(v)
         return variants
-    monkeypatch.setattr(ca, "_dry_run", dry_run)
+    monkeypatch.setattr(ca, "dry_run", dry_run)
     return out, marks, runs
 
 
@@ -72,7 +72,7 @@ def test_variants_compile_while_the_dry_run_goes_on(fake, monkeypatch):
         later = ca.Variant("fake_kernels", "kernel", "late", "src")
         offer(later)
         return [first, later]
-    monkeypatch.setattr(ca, "_dry_run", dry_run)
+    monkeypatch.setattr(ca, "dry_run", dry_run)
     report = _job([], "run-s", Compilers(2, ("fake_kernels",))).wait()
     assert seen_during == [True] and (report.variants, report.compiled, report.failed) == (2, 2, 0)
 

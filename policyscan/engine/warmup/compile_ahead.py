@@ -117,7 +117,7 @@ class CompileJob:
         self.variants: list[Variant] | None = None  # the dry run's, when it ended well
         self.met = 0  # variants the dry run met so far, compiled here before or not
         self.todo: list[Variant] = []  # those handed to the compilers, in the order met
-        self.dry_run = 0.0  # seconds spent before the job went to the background
+        self.dry_run_seconds = 0.0  # seconds spent before the job went to the background
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order: list[int] = []  # todo's indices in the order the workers took them
         self.errors = in_background(lambda: compilers.compile(self._handed()), "policyscan-compile") \
@@ -133,7 +133,7 @@ class CompileJob:
 
     def finish(self, variants: list[Variant] | None) -> None:
         """The dry run's end: its variants, or None when it failed (those offered still compile; no manifest)."""
-        self.variants, self.dry_run = variants, time.perf_counter() - self.started
+        self.variants, self.dry_run_seconds = variants, time.perf_counter() - self.started
         self._queue.put((math.inf, -1))
         if not self.todo and self.compilers is not None:  # nothing to compile: the children would only compete
             self.compilers.kill()  # with the load
@@ -149,7 +149,7 @@ class CompileJob:
         the dry run and this wait, the part not hidden behind the load."""
         t0 = time.perf_counter()
         if self.errors is None:
-            return CompileReport(self.cached, 0, 0, 0, self.dry_run + time.perf_counter() - t0)
+            return CompileReport(self.cached, 0, 0, 0, self.dry_run_seconds + time.perf_counter() - t0)
         try:
             errors = self.errors.result()
         except Exception as e:  # noqa: BLE001  (no thread to feed them, say): they compile when launched
@@ -159,7 +159,7 @@ class CompileJob:
             raise
         workers = min(len(self.todo), len(self.compilers.workers))
         self.compilers.close()
-        seconds = self.dry_run + time.perf_counter() - t0
+        seconds = self.dry_run_seconds + time.perf_counter() - t0
         done = [self.todo[i] for i, err in zip(self._order, errors) if err is None]
         try:
             marks = _marker_dir()
@@ -196,7 +196,7 @@ def compile_ahead(decoder: Decoder, heads: list[list[int]], batch_tokens: int, g
     job = CompileJob(run_id, compilers or Compilers.for_kernels(), t0)
     variants = None
     try:
-        variants = _dry_run(decoder, heads, shape_classes(batch_tokens, graphs), job.offer)
+        variants = dry_run(decoder, heads, shape_classes(batch_tokens, graphs), job.offer)
     except Exception:  # noqa: BLE001  a Triton whose hooks differ: the kernels compile as launched, as before
         pass
     except BaseException:  # Ctrl-C, SIGTERM: the workers end with the dry run
@@ -252,7 +252,7 @@ def _marker_dir() -> Path:
     return Path(triton.knobs.cache.dir) / "policyscan_variants"
 
 
-def _dry_run(decoder: Decoder, heads: list[list[int]], shapes: list[tuple[int, int]],
+def dry_run(decoder: Decoder, heads: list[list[int]], shapes: list[tuple[int, int]],
              offer: Callable[[Variant], None]) -> list[Variant] | None:
     """Every variant the batches `shapes` launch, each offered as first met; None if one came without Triton's
     serialized specialization (a Triton whose hook differs)."""
