@@ -100,7 +100,7 @@ def test_directories_and_globs_skip_policyscans_own_outputs(tmp_path):
     arch = tmp_path / "arch"
     (arch / "scores").mkdir(parents=True)
     for name in ("a.jsonl", "scores/a.scores.parquet", "scores/a.scores.jsonl", "scores/a.scores.jsonl.meta.json",
-                 "scores/a.scores.parquet.errors.jsonl", "b.errors.jsonl", "c.json"):
+                 "scores/a.scores.parquet.errors.jsonl", "scores/a.scores.jsonl.gz", "b.errors.jsonl", "c.json"):
         (arch / name).write_text("")
     assert [p.name for p in expand_inputs([str(arch)])] == ["a.jsonl"]  # a directory: no .json either
     assert [p.name for p in expand_inputs([str(arch / "**" / "*")])] == ["a.jsonl", "c.json"]

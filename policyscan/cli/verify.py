@@ -40,8 +40,8 @@ def verify(output: str, sample: int, device: str | None) -> None:
     """Re-score the rows of SAMPLE ids of OUTPUT with the model, policies and settings its metadata records.
 
     Exit status: 0 every sampled row reproduced bit for bit, 4 some differ, 1 the run cannot be repeated
-    (a model, tokenizer, chat template, adapter or input file changed or is missing; or the output is from before
-    prompts were capped at the model's positions, with --max-length above them)."""
+    (a model, tokenizer, chat template, adapter or input file changed or is missing; or the output records a prompt
+    length other than the one this policyscan uses)."""
     out = Path(output)
     meta = read_metadata(out)
     if meta is None:
@@ -71,7 +71,7 @@ def verify(output: str, sample: int, device: str | None) -> None:
     if took != engine.max_length:
         raise PolicyscanError(f"{out}: its prompts could take {took} tokens, "
                               f"this policyscan cuts them at {engine.max_length}, the model's "
-                              "max_position_embeddings (an output written before prompts were capped there); the "
+                              "max_position_embeddings (an output of a policyscan that did not cut prompts there); the "
                               "run cannot be repeated: score it again")
     if _template_id(meta.get("chat_template")) != _template_id(engine.encoder.describe_template()):
         raise PolicyscanError(f"the chat template changed since the run: {meta.get('chat_template')} then, "

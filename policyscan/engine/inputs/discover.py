@@ -20,7 +20,8 @@ from policyscan.engine.files import not_regular
 
 SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".ndjson", ".json")
 DIR_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".ndjson")  # what a directory contributes
-OUTPUT_SUFFIXES = (".scores.parquet", ".scores.jsonl", ".errors.jsonl", ".meta.json")  # what `score` writes
+# what `score` writes
+OUTPUT_SUFFIXES = (".scores.parquet", ".scores.jsonl", ".scores.jsonl.gz", ".errors.jsonl", ".meta.json")
 
 
 def is_own_output(path: Path) -> bool:
