@@ -95,6 +95,30 @@ def test_output_dir_skips_up_to_date_inputs(tmp_path):
         assert "up to date" not in run("score", arch, "-o", outdir, "--no-progress", "--raw").output
 
 
+def test_output_dir_keeps_the_archives_folders(tmp_path):
+    """A partitioned archive (the same file name in every day's folder, as Spark writes it): each file's output
+    sits at its place below the folder or glob given, and the next run finds every one up to date. Names that
+    would still share an output stop the run before anything is scored, naming them."""
+    arch = tmp_path / "archive"
+    for day in ("day=1", "day=2"):
+        (arch / day).mkdir(parents=True)
+        pq.write_table(pa.table({"id": [day], "text": [f"hello from {day}"]}), arch / day / "part-0.parquet")
+    pq.write_table(pa.table({"id": ["top"], "text": ["at the top"]}), arch / "top.parquet")
+    out = tmp_path / "scores"
+    run("score", arch, "-o", f"{out}/", "--no-progress")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.scores.parquet")) == [
+        "day=1/part-0.scores.parquet", "day=2/part-0.scores.parquet", "top.scores.parquet"]
+    assert read_metadata(out / "day=2" / "part-0.scores.parquet")["inputs"][0]["path"].endswith("day=2/part-0.parquet")
+    assert pq.read_table(out / "day=1" / "part-0.scores.parquet")["id"].to_pylist() == ["day=1"]
+    assert run("score", arch, "-o", out, "--no-progress").output.count("up to date") == 3
+    res = run("score", str(arch / "*" / "part-0.parquet"), "-o", f"{tmp_path / 'glob'}/", "--no-progress")
+    assert (tmp_path / "glob" / "day=1" / "part-0.scores.parquet").is_file(), res.output
+    res = run("score", arch / "day=1" / "part-0.parquet", arch / "day=2" / "part-0.parquet", "-o",
+              f"{tmp_path / 'flat'}/", "--no-progress", ok=(1,))
+    assert "inputs of the same name would share an output" in res.output and "part-0.scores.parquet" in res.output
+    assert not (tmp_path / "flat").exists() or not list((tmp_path / "flat").iterdir())
+
+
 def test_output_dir_scores_a_new_output_before_the_model_hash(tmp_path, monkeypatch):
     """-o DIR: a file without an output is scored while the model is still being hashed (the run key, which
     needs the hash, is taken when the output is written); the next run finds it up to date."""

@@ -159,8 +159,19 @@ def test_a_template_that_rewrites_contents_holding_special_tokens_is_that_rows_e
     enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / "m",
                                      "{% for m in messages %}<|eos|>{{ m.content[1:] }}{% endfor %}"))
     assert _special_ids(enc.encode(enc.render([{"role": "user", "content": "-hi"}])), enc) == [1]
-    with pytest.raises(ValueError, match="rewrites message contents that hold special-token strings"):
+    with pytest.raises(ValueError, match="rewrites message contents"):
         enc.render([{"role": "user", "content": "<|eos|>hi"}])
+
+
+def test_a_template_that_escapes_contents_is_that_rows_error(tmp_path):
+    """tojson escapes the marks themselves into text (\\ufdd0): the prompt would hold them as characters. Contents
+    without anything to mark render as the template renders them."""
+    enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / "m",
+                                     "{% for m in messages %}<|eos|>{{ m.content | tojson }}{% endfor %}"))
+    assert enc.render([{"role": "user", "content": "hi there"}]) == '<|eos|>"hi there"'
+    for content in ("hello <|eos|> world", "\ufdd0 a literal mark"):
+        with pytest.raises(ValueError, match="rewrites message contents"):
+            enc.render([{"role": "user", "content": content}])
 
 
 def test_the_marks_themselves_typed_in_content_stay_text(encoders):

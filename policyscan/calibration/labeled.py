@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from policyscan.engine.errors import InputError
+from policyscan.engine.files import check_regular
 from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 from policyscan.engine.run.pipeline import encode_chunk
 from policyscan.engine.run.runner import Engine
@@ -78,15 +79,29 @@ def score_labeled_policies(engine: Engine, files: list[Path], spec: ReadSpec,
             for j in range(len(names))]
 
 
+FIRST_LINE_LIMIT = 64 << 20  # the bytes of a JSONL file's first line read for its columns
+
+
 def column_names(path: Path) -> list[str]:
-    """A labeled file's columns: a Parquet schema's names, a JSONL file's first line's keys."""
+    """A labeled file's columns: a Parquet schema's names, a JSONL file's first line's keys. A file that is not a
+    regular file, or cannot be read so far, is an InputError naming it."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if path.name.endswith(".parquet"):
-        return pq.ParquetFile(path).schema_arrow.names
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        return list(json.loads(fh.readline()))
+    check_regular(path)
+    try:
+        if path.name.endswith(".parquet"):
+            return pq.ParquetFile(path).schema_arrow.names
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as fh:
+            first = json.loads(fh.readline(FIRST_LINE_LIMIT))
+    except (OSError, EOFError, ValueError, pa.ArrowException) as e:
+        raise InputError(f"{path}: cannot read its columns ({type(e).__name__}: {e}); is it a Parquet or JSONL file, "
+                         "whole?") from e
+    if not isinstance(first, dict):
+        raise InputError(f"{path}: line 1 is no JSON object, so it names no columns; a labeled JSONL file holds one "
+                         "object a line")
+    return list(first)
 
 
 def guess_label_column(path: Path, policy_name: str) -> str:

@@ -17,6 +17,14 @@ def require_matplotlib() -> None:
         raise PolicyscanError("--plot needs matplotlib: pip install 'policyscan[plot]' (or leave out --plot)") from e
 
 
+def plot_suffixes() -> tuple[str, ...]:
+    """The file suffixes matplotlib can write a diagram as (.png, .pdf, .svg, ...)."""
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    return tuple(f".{ext}" for ext in Figure().canvas.get_supported_filetypes())
+
+
 def reliability_plot(path: Path, title: str, curves: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
     """curves: label -> (p, y). Writes a PNG."""
     require_matplotlib()

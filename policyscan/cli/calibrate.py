@@ -12,12 +12,13 @@ from policyscan.calibration.labeled import read_scores, score_labeled, split_hol
 from policyscan.calibration.labels import parse_labels
 from policyscan.calibration.metrics import summary
 from policyscan.calibration.platt import PlattFit, fit_platt
-from policyscan.calibration.plot import reliability_plot, require_matplotlib
+from policyscan.calibration.plot import plot_suffixes, reliability_plot, require_matplotlib
 from policyscan.calibration.precision_check import fp8_check
 from policyscan.calibration.record import data_sha256, write_calibration
 from policyscan.cli.common import (
     Share,
     check_lengths,
+    check_writable_dir,
     conversation_options,
     default_model,
     engine_options,
@@ -66,8 +67,12 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
     if text_column and messages_column:
         raise click.UsageError("give --text-column or --messages-column, not both")
     check_lengths(batch_tokens, max_length, Path(model or default_model()))
-    if plot:
-        require_matplotlib()  # before the scoring, not after it
+    if plot:  # before the scoring, not after it
+        require_matplotlib()
+        if not plot.lower().endswith(suffixes := plot_suffixes()):
+            raise click.UsageError(f"--plot {plot}: end the name in one of {', '.join(suffixes)} (the suffix sets "
+                                   "the image's format)")
+        check_writable_dir(Path(plot).parent, "--plot")
     policy = load_policy(policy_dir)
     files = input_files(list(labeled))
     if from_scores:

@@ -14,8 +14,9 @@ import click
 
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.files import check_regular
+from policyscan.engine.inputs.discover import named_inputs
 from policyscan.engine.inputs.jsonl import parsed_lines
-from policyscan.engine.inputs.sources import ReadSpec, expand_inputs, pick_column
+from policyscan.engine.inputs.sources import ReadSpec, pick_column
 from policyscan.engine.model.config import ModelConfig, read_config
 from policyscan.engine.settings import (
     MAX_BATCH_TOKENS,
@@ -191,8 +192,13 @@ def check_lengths(batch_tokens: int, max_length: int, model_dir: Path) -> None:
 
 def input_files(inputs: list[str]) -> list[Path]:
     """The files INPUTs name; one that names nothing is a usage error (exit 2)."""
+    return [f for f, _ in named_input_files(inputs)]
+
+
+def named_input_files(inputs: list[str]) -> list[tuple[Path, Path]]:
+    """The files INPUTs name, each with its name below the folder or glob that found it (discover.named_inputs)."""
     try:
-        return expand_inputs(inputs)
+        return named_inputs(inputs)
     except InputError as e:
         raise click.UsageError(str(e)) from e
 

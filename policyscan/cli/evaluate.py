@@ -21,6 +21,7 @@ from policyscan.calibration.thresholds import Target
 from policyscan.cli.common import (
     Share,
     check_lengths,
+    check_writable_dir,
     conversation_options,
     default_model,
     engine_options,
@@ -87,6 +88,9 @@ def evaluate(labeled, policy_dirs, label_column, from_scores, target_recall, tar
     model_dir = Path(model or default_model())
     refuse_overwrites([(Path(p), what) for p, what in ((json_path, "--json"), (page, "-o")) if p],
                       protected_files(files, model_dir, [p.path for p in policies]))
+    for path, what in ((json_path, "--json"), (page, "-o")):
+        if path:  # before the scoring: a folder that is not there is found now, not after all the work
+            check_writable_dir(Path(path).parent, what)
     run: dict = {"model": None, "device": None, "precision": None}
     bf16 = None
     if from_scores:

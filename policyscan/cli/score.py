@@ -22,8 +22,8 @@ from policyscan.cli.common import (
     default_policies,
     engine_options,
     friendly_errors,
-    input_files,
     model_option,
+    named_input_files,
     preload_arrow,
     protected_files,
     resolve_chat_template,
@@ -106,7 +106,8 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     # those once the policies are read
     check_keep(keep, id_column, output_columns([], layout, raw, flagged, truncation))
     preload_arrow()  # first, so that its imports are done before the model load's thousands of GPU calls
-    files = input_files(list(inputs))
+    named = named_input_files(list(inputs))
+    files = [f for f, _ in named]
     per_input = output is not None and (output.endswith(("/", "\\")) or Path(output).is_dir())
     if errors_path and per_input:
         raise click.UsageError("--errors names one file; with -o DIR each input's errors go beside its output")
@@ -125,7 +126,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     with WorkerPool(WorkerConfig(model_dir, bundles, settings, slots)) if slots else contextlib.nullcontext() as pool:
         pols = load_policies(list(bundles))
         check_keep(keep, id_column, output_columns([p.name for p in pols], layout, raw, flagged, truncation))
-        jobs = plan_jobs(files, output, per_input, fmt, errors_path)
+        jobs = plan_jobs(named, output, per_input, fmt, errors_path)
         check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
         resolve_chat_template(model_dir, chat_template, pols, files, spec)
         length_note = _length_note(model_dir, settings)  # config.json read now: not after outputs are written

@@ -7,6 +7,7 @@ regular file (is it policyscan's?) reads a Parquet footer, or lines of at most s
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -37,22 +38,26 @@ def output_format(output: str | None, fmt: str | None, per_input: bool) -> str:
     return by_suffix
 
 
-def plan_jobs(files: list[Path], output: str | None, per_input: bool, fmt: str, errors_path: str | None) -> list[Job]:
+def plan_jobs(named: list[tuple[Path, Path]], output: str | None, per_input: bool, fmt: str,
+              errors_path: str | None) -> list[Job]:
+    """The outputs to write: one for all inputs, or with -o DIR/ one per input, at its name below the folder or
+    glob that found it (named_input_files), so an archive's folders are kept and its files need not be named apart."""
+    files = [f for f, _ in named]
     if not per_input:
         target = Path(output) if output else Path(f"{_stem(files[0]) if len(files) == 1 else 'scores'}.scores.{fmt}")
         return [Job(files, target, _errors_for(target, errors_path))]
     out_dir = Path(output)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise click.UsageError(f"-o {output}: cannot create the folder ({e.strerror})") from e
-    targets = [out_dir / f"{_stem(f)}.scores.{fmt}" for f in files]
-    jobs = [Job([f], t, _errors_for(t, None)) for f, t in zip(files, targets)]
-    names = [j.target for j in jobs]
-    dup = {t for t in names if names.count(t) > 1}
+    targets = [out_dir / name.parent / f"{_stem(name)}.scores.{fmt}" for _, name in named]
+    dup = sorted(str(t) for t, n in Counter(targets).items() if n > 1)
     if dup:
-        raise PolicyscanError(f"inputs with the same name would share an output: {sorted(map(str, dup))}")
-    return jobs
+        raise PolicyscanError(f"inputs of the same name would share an output: {dup}; score them in separate runs "
+                              "or into separate -o folders")
+    for folder in dict.fromkeys(t.parent for t in targets):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise click.UsageError(f"-o {output}: cannot create the folder {folder} ({e.strerror})") from e
+    return [Job([f], t, _errors_for(t, None)) for f, t in zip(files, targets)]
 
 
 def check_jobs(jobs: list[Job], protected: dict[Path, str]) -> None:

@@ -16,6 +16,7 @@ from policyscan.cli.common import check_device, friendly_errors
 from policyscan.engine.errors import InputError, PolicyscanError
 from policyscan.engine.files import file_sha256
 from policyscan.engine.inputs.sources import ReadSpec, read_chunks
+from policyscan.engine.json_schema import OUTPUT_METADATA, check
 from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.model.precision import Precision
 from policyscan.engine.outputs.sinks import read_metadata
@@ -46,6 +47,7 @@ def verify(output: str, sample: int, device: str | None) -> None:
     meta = read_metadata(out)
     if meta is None:
         raise PolicyscanError(f"{out}: no policyscan metadata; only `policyscan score` outputs can be verified")
+    check(meta, OUTPUT_METADATA, f"{out}: its metadata", PolicyscanError)  # damaged: one line, not a traceback
     _check_ids(out, meta)
     _check_model(meta)
     inputs = [_input_path(rec, out) for rec in meta["inputs"]]
@@ -195,7 +197,10 @@ def _differences(id_, stored: list[tuple], now: list[tuple], names: list[str]) -
 
 def _find(meta: dict, inputs: list[Path], ids: set, engine: Engine) -> dict:
     """id -> every conversation text with that id, re-read from the inputs with the recorded read settings."""
-    spec = ReadSpec(**{k: tuple(v) if k == "keep" else v for k, v in meta["read"].items()})
+    try:
+        spec = ReadSpec(**{k: tuple(v) if k == "keep" else v for k, v in meta["read"].items()})
+    except TypeError as e:  # a member this policyscan's ReadSpec does not have
+        raise PolicyscanError(f"the metadata's read settings {meta['read']} cannot be used here ({e})") from e
     found: dict = {}
     for path in inputs:
         for chunk in read_chunks(path, spec, engine.encoder.render):

@@ -236,6 +236,8 @@ ADAPTER_CONFIG: dict[str, Field] = {
     "modules_to_save": Field("list|null", items=Field("str")),
     "r": _count(1 << 16), "lora_alpha": Field("number"),
     "alpha_pattern": Field("object|null", each=Field("number")),
+    "rank_pattern": Field("object|null", each=_count(1 << 16)),
+    "target_modules": Field("list|str|null", items=Field("str")),
 }
 # a model's tokenizer_config.json and chat_template.json (chat_template.read_tokenizer_config, model_templates)
 _TOKEN = Field("str|object|null", fields={"content": Field("str")})
@@ -245,3 +247,26 @@ TOKENIZER_CONFIG: dict[str, Field] = {
     "bos_token": _TOKEN, "eos_token": _TOKEN,
 }
 CHAT_TEMPLATE_JSON: dict[str, Field] = {"chat_template": Field("str|null")}
+# an output's metadata, as far as `policyscan verify` reads it to repeat the run (outputs/run_output.py writes it)
+_S, _S_NULL = Field("str", required=True), Field("str|null")
+OUTPUT_METADATA: dict[str, Field] = {
+    "model": Field("object", required=True, fields={"path": _S, "sha256": _S}),
+    "model_files": Field("object|null", each=Field("str")),
+    "device": _S, "precision": _S, "numerics": Field("object|null"), "max_length": Field("int|null"),
+    "chat_template": Field("object|null"),
+    "inputs": Field("list", required=True, items=Field("object", fields={
+        "path": _S, "sha256": Field("str|null", required=True), "abs_path": _S_NULL, "rel_path": _S_NULL})),
+    "policies": Field("list", required=True, items=Field("object", fields={
+        "name": _S, "path": _S, "adapter_sha256": Field("str|null", required=True), "prefix": _S, "suffix": _S,
+        "labels": Field("list", required=True, items=Field("str")),
+        "calibration": Field("object", required=True, fields={"a": Field("number", required=True),
+                                                              "b": Field("number", required=True)})})),
+    "settings": Field("object", required=True, fields={
+        "batch_tokens": Field("int", required=True), "max_length": Field("int", required=True), "precision": _S,
+        "cuda_graphs": _FLAG, "chat_template": _S_NULL, "text_is_rendered": _FLAG,
+        "fp8_flip_limit": Field("number|null")}),
+    "read": Field("object", required=True, fields={"keep": Field("list", items=Field("str")),
+                                                   "id_column": _S_NULL}),
+    "output": Field("object", required=True, fields={"layout": Field("str", required=True,
+                                                                     choices=("wide", "long"))}),
+}

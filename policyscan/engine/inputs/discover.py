@@ -32,47 +32,61 @@ def is_own_output(path: Path) -> bool:
 def expand_inputs(inputs: list[str], note: Callable[[str], None] | None = None) -> list[Path]:
     """Files, directories (their supported files, sorted) and globs -> files, in the order given, each real
     file once; `note` (default: stderr) hears of every file named again."""
+    return [f for f, _ in named_inputs(inputs, note)]
+
+
+def named_inputs(inputs: list[str], note: Callable[[str], None] | None = None) -> list[tuple[Path, Path]]:
+    """expand_inputs' files, each with its name below what the command line named: its path inside a directory,
+    or below a glob's fixed folders (`arch/*/x.parquet`: `day1/x.parquet`), or its file name. `-o DIR/` keeps
+    these folders, so the same file name in two folders of an archive gets two outputs."""
     note = note or _stderr
-    out: list[Path] = []
+    out: list[tuple[Path, Path]] = []
     seen: dict[tuple[int, int] | str, Path] = {}
     for item in inputs:
-        for f in _expand(item):
+        for f, name in _expand(item):
             key = _identity(f)
             if key in seen:
                 note(f"policyscan: {f} is the same file as {seen[key]}; it is read once")
                 continue
             seen[key] = f
-            out.append(f)
+            out.append((f, name))
     return out
 
 
-def _expand(item: str) -> list[Path]:
+def _expand(item: str) -> list[tuple[Path, Path]]:
     p = Path(item)
     if p.is_dir():
         found = sorted(f for f in walk_files(p) if f.name.endswith(DIR_SUFFIXES) and not is_own_output(f))
         if not found:
             raise InputError(f"{p}: directory holds no {', '.join(DIR_SUFFIXES)} files")
-        return found
+        return [(f, f.relative_to(p)) for f in found]
     if os.path.lexists(p):  # a name that is there (a glob's characters in it are its own)
         if (what := not_regular(p)) is not None:
             raise InputError(f"{item}: {what}; name a regular file, a directory or a glob")
-        return [p]
+        return [(p, Path(p.name))]
     if any(c in item for c in "*?["):
-        found = sorted(f for f in _glob(item) if not is_own_output(f))
+        base = _fixed_folders(item)
+        found = sorted(f for f in _glob(item, base) if not is_own_output(f))
         if not found:
             raise InputError(f"{item}: the pattern matches no files (policyscan's own outputs are never inputs)")
-        return found
+        return [(f, f.relative_to(base)) for f in found]
     raise InputError(f"{item}: no such file or directory")
 
 
-def _glob(pattern: str) -> Iterator[Path]:
-    """Files matching `pattern`; `**` (any depth) walks like a directory, so link loops end."""
+def _fixed_folders(pattern: str) -> Path:
+    """The folders of a glob before its first wildcard: where its matches are found."""
+    parts = Path(pattern).parts
+    fixed = next(i for i, s in enumerate(parts) if glob.has_magic(s))
+    return Path(*parts[:fixed]) if fixed else Path(".")
+
+
+def _glob(pattern: str, base: Path) -> Iterator[Path]:
+    """Files matching `pattern`, all below `base`; `**` (any depth) walks like a directory, so link loops end."""
     parts = Path(pattern).parts
     if "**" not in parts:
         yield from (Path(f) for f in glob.glob(pattern) if not Path(f).is_dir())
         return
-    fixed = next(i for i, s in enumerate(parts) if glob.has_magic(s))
-    base, pats = Path(*parts[:fixed]) if fixed else Path("."), parts[fixed:]
+    pats = parts[len(base.parts):]
     if base.is_dir():
         yield from (f for f in walk_files(base) if _match(f.relative_to(base).parts, pats))
 

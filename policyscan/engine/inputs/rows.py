@@ -64,9 +64,12 @@ def pick_column(spec: ReadSpec, columns: list[str], path: Path, where: str = "")
         if col not in columns:
             raise InputError(f"{path}: no column {col!r}; it has {columns}")
         return col, spec.messages_column is not None
-    for guess in TEXT_GUESSES + MESSAGES_GUESSES:
-        if guess in columns:
-            return guess, guess in MESSAGES_GUESSES and guess not in TEXT_GUESSES
+    found = [g for g in dict.fromkeys(TEXT_GUESSES + MESSAGES_GUESSES) if g in columns]
+    if len(found) > 1:  # two candidates may disagree about a row: choosing one would be a guess
+        raise InputError(f"{path}: columns {found} could each be the conversation{where}; name one with "
+                         "--text-column or --messages-column")
+    if found:
+        return found[0], found[0] in MESSAGES_GUESSES and found[0] not in TEXT_GUESSES
     raise InputError(f"{path}: no conversation column found among {columns}{where}; "
                      "name it with --text-column or --messages-column")
 

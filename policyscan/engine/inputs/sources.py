@@ -65,6 +65,10 @@ def parquet_layout(path: Path, spec: ReadSpec) -> ParquetLayout:
     except Exception as e:
         raise InputError(f"{path}: not a readable Parquet file ({e}); is it truncated?") from e
     schema = pf.schema_arrow
+    twice = sorted({n for n in schema.names if schema.names.count(n) > 1})
+    if twice:
+        raise InputError(f"{path}: the column name(s) {twice} appear more than once; which one holds the data "
+                         "cannot be told: write the file with distinct column names")
     col, is_messages = pick_column(spec, schema.names, path)
     id_col = spec.id_column or ("id" if "id" in schema.names else None)
     for c in ([id_col] if id_col else []) + list(spec.keep):

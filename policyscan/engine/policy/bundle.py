@@ -129,7 +129,8 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
             raise PolicyError(f"{w_path}: layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
                               f"{tuple(b.shape)} disagree on the rank")
         r = a.shape[0]
-        al = _pattern(cfg.get("alpha_pattern") or {}, layer, proj, alpha, cfg_path)
+        _check_config_fits(cfg, cfg_path, w_path, layer, proj, r)
+        al = _pattern(cfg.get("alpha_pattern") or {}, layer, proj, alpha, cfg_path, "alpha_pattern")
         scales[(layer, proj)] = al / math.sqrt(r) if rslora else al / r
         out[(layer, proj)] = (a, b)
     return LoraWeights(out, scales), cached_sha256(w_path)  # remembered across runs (files.py)
@@ -152,14 +153,36 @@ def _finite(t: np.ndarray, w_path: Path, name: str) -> np.ndarray:
     return t
 
 
-def _pattern(patterns: dict, layer: int, proj: str, default: float, cfg_path: Path) -> float:
-    """PEFT's alpha_pattern: keys match the end of the module name (or are regexes)."""
-    module = f"model.layers.{layer}.{'self_attn' if proj[0] in 'qkvo' else 'mlp'}.{proj}"
+def _check_config_fits(cfg: dict, cfg_path: Path, w_path: Path, layer: int, proj: str, rank: int) -> None:
+    """adapter_config.json must describe the factors as PEFT would load them: their rank is r (or rank_pattern's),
+    and their module is among target_modules. PEFT refuses an adapter that disagrees; scoring it would apply the
+    config's scale to factors it does not describe."""
+    r = _pattern(cfg.get("rank_pattern") or {}, layer, proj, cfg.get("r", 8), cfg_path, "rank_pattern")
+    if r != rank:
+        raise PolicyError(f"{cfg_path}: r (or rank_pattern) is {r:g} for layer {layer} {proj}, but its factors in "
+                          f"{w_path} have rank {rank}; the config is not the weights': use the adapter's own "
+                          "adapter_config.json")
+    # a list names modules by their name or a path ending in it; a regular expression matches paths of the model
+    # PEFT loaded, which this loader does not build, so only a list is checked
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list) and not any(t == proj or t.endswith("." + proj) for t in targets):
+        raise PolicyError(f"{cfg_path}: target_modules {targets} does not name {proj}, which {w_path} holds "
+                          f"factors for (layer {layer}); the config is not the weights': use the adapter's own "
+                          "adapter_config.json")
+
+
+def _module(layer: int, proj: str) -> str:
+    return f"model.layers.{layer}.{'self_attn' if proj[0] in 'qkvo' else 'mlp'}.{proj}"
+
+
+def _pattern(patterns: dict, layer: int, proj: str, default: float, cfg_path: Path, what: str) -> float:
+    """PEFT's alpha_pattern and rank_pattern: keys match the end of the module name (or are regexes)."""
+    module = _module(layer, proj)
     for key, value in patterns.items():
         try:
             hit = module.endswith(key) or re.fullmatch(rf"(.*\.)?{key}", module)
         except re.error as e:
-            raise PolicyError(f"{cfg_path}: alpha_pattern key {key!r} is neither a module name's end nor a regular "
+            raise PolicyError(f"{cfg_path}: {what} key {key!r} is neither a module name's end nor a regular "
                               f"expression ({e})") from e
         if hit:
             return float(value)

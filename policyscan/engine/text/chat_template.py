@@ -16,6 +16,7 @@ from pathlib import Path
 
 from policyscan.engine.errors import CheckpointError, PolicyscanError
 from policyscan.engine.json_schema import CHAT_TEMPLATE_JSON, TOKENIZER_CONFIG, load
+from policyscan.engine.text.sandbox import sandbox
 
 RENDER_SECONDS = 2.0  # one conversation's chat template rendering, far above any real template's need
 PLAIN = "plain"
@@ -134,9 +135,8 @@ _TEMPLATES: dict[str, object] = {}
 def _compile(template: str, where: str):
     if template not in _TEMPLATES:
         from jinja2 import TemplateSyntaxError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = sandbox()
         env.globals["raise_exception"] = _raise
         try:
             _TEMPLATES[template] = env.from_string(template)

@@ -20,6 +20,10 @@ from policyscan.engine.text.chat_template import ChatTemplate
 ESC = "\ufdd0"  # before a special-token string of content: it is text
 BRK = "\ufdd1"  # a seam break: nothing matches across it
 NO_TEMPLATE = "the model ships no chat template and no --chat-template or policy chat_template names one"
+REWRITES = ("the chat template rewrites message contents (escapes or cuts them), so the special-token strings "
+            "in them cannot be told from the template's own control tokens; such a conversation cannot be scored "
+            "with this template")
+_UNMARK = re.compile(f"{ESC}{ESC}|{BRK}{BRK}|{ESC}|{BRK}")  # a doubled mark is the literal mark, a single one nothing
 STAND_IN = "\ufffd"  # what a special-token string in content becomes in the render that finds the markup's tokens
 
 
@@ -132,13 +136,17 @@ class ContentGuard:
         """The ids of the bare special tokens of a marked text, in order."""
         return [p for p in self.pieces(text) if isinstance(p, int)]
 
+    def check_passed_through(self, marked: str, honest: str) -> None:
+        """Refuse a rendering of marked contents that, marks taken out, is not the rendering of the contents as
+        they are: the template escaped, cut or rewrote them (JSON-escaped marks would be read as text)."""
+        if _UNMARK.sub(lambda m: m.group()[1:], marked) != honest:
+            raise ValueError(REWRITES)
+
     def check_markup(self, marked: str, stood_in: str) -> None:
         """Refuse a rendering whose markup tokens differ from those of the same messages with U+FFFD for each special
         string: the template changed the content's marks (JSON-escaped it, cut it), so they cannot be trusted."""
         if self.markup_ids(marked) != self.markup_ids(stood_in):
-            raise ValueError("the chat template rewrites message contents that hold special-token strings, so "
-                             "their control tokens cannot be told from the template's own; such a conversation "
-                             "cannot be scored with this template")
+            raise ValueError(REWRITES)
 
 
 @dataclass(frozen=True)
@@ -158,8 +166,10 @@ class Conversations:
             raise InputError(f"{NO_TEMPLATE}; pass --chat-template plain for 'role: content' lines")
         marked = [self._each(m, self.guard.mark) for m in value]
         text = self.template.render(marked)
-        if any(ESC in v for m in marked for v in m.values() if isinstance(v, str)):  # a special string was marked
-            self.guard.check_markup(text, self.template.render([self._each(m, self.guard.stand_in) for m in value]))
+        if any(self.guard.needs_reading(v) for m in marked for v in m.values() if isinstance(v, str)):
+            self.guard.check_passed_through(text, self.template.render(value))
+            if any(ESC in v for m in marked for v in m.values() if isinstance(v, str)):  # a special string marked
+                self.guard.check_markup(text, self.template.render([self._each(m, self.guard.stand_in) for m in value]))
         return text
 
     @staticmethod

@@ -1,0 +1,134 @@
+"""Files and settings that say two things at once, or too much, are refused in one line naming them, never a traceback
+or a guess: a Parquet file with a column name twice, a file with two candidate conversation columns, an unreadable
+labeled file, a plot or JSON path that cannot be written, damaged output metadata, an adapter_config.json that is
+not its weights', and a chat template that would build a string larger than any conversation."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from cli_cases import SAMPLE, run
+
+from policyscan.engine.errors import PolicyscanError
+from policyscan.engine.policy.bundle import load_policy
+
+CPU = ["--device", "cpu", "--threads", "1", "--max-length", "256", "--batch-tokens", "4096", "--no-progress"]
+POLICY = SAMPLE / "policies" / "pii"
+
+
+def _errors(out) -> list[dict]:
+    path = out.with_name(out.name + ".errors.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_column_named_twice_or_two_conversation_columns_fail_that_file_by_name(tmp_path):
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"id": ["a"], "text": ["hello"]}), good)
+    twice = tmp_path / "twice.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["b"]), pa.array(["hi"]), pa.array(["there"])],
+                                        names=["id", "text", "text"]), twice)
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({"id": "c", "text": "hi", "messages": [{"role": "user", "content": "buy X"}]}) + "\n")
+    out = tmp_path / "o.parquet"
+    res = run("score", good, twice, both, "-o", out, *CPU, ok=(3,))
+    assert pq.read_table(out)["id"].to_pylist() == ["a"], res.output
+    reasons = {e["file"]: e["reason"] for e in _errors(out)}
+    assert "['text'] appear more than once" in reasons[str(twice)]
+    assert "columns ['text', 'messages'] could each be the conversation" in reasons[str(both)]
+    assert "--text-column or --messages-column" in reasons[str(both)]
+    # named, the column is no guess
+    run("score", both, "-o", tmp_path / "m.parquet", *CPU, "--messages-column", "messages", "--chat-template", "plain")
+
+
+@pytest.mark.parametrize("content, why", [(b"PAR1 not a whole file", "cannot read its columns"),
+                                          (b"", "cannot read its columns")])
+def test_an_unreadable_labeled_file_is_one_line(tmp_path, content, why):
+    bad = tmp_path / "labeled.parquet"
+    bad.write_bytes(content)
+    policy = tmp_path / "pii"
+    shutil.copytree(POLICY, policy)
+    for args in (["calibrate", bad, "--policy", policy, "--dry-run"], ["evaluate", bad, "--policy", policy]):
+        res = run(*args, *CPU[:-1], ok=(1,))
+        assert why in res.output and str(bad) in res.output and "Traceback" not in res.output, res.output
+    jsonl = tmp_path / "labeled.jsonl"
+    jsonl.write_text("[1, 2]\n")
+    res = run("calibrate", jsonl, "--policy", policy, "--dry-run", *CPU[:-1], ok=(1,))
+    assert "line 1 is no JSON object" in res.output, res.output
+
+
+def test_a_plot_or_json_that_cannot_be_written_is_refused_before_scoring(tmp_path):
+    pytest.importorskip("matplotlib")
+    policy = tmp_path / "pii"
+    shutil.copytree(POLICY, policy)
+    labeled = SAMPLE / "labeled.parquet"
+    t0 = time.monotonic()
+    res = run("calibrate", labeled, "--policy", policy, "--plot", tmp_path / "plot.txt", "--dry-run", *CPU[:-1],
+              ok=(2,))
+    assert "--plot" in res.output and ".png" in res.output, res.output
+    res = run("calibrate", labeled, "--policy", policy, "--plot", tmp_path / "nowhere" / "p.png", *CPU[:-1], ok=(2,))
+    assert "folder" in res.output and "does not exist" in res.output, res.output
+    res = run("evaluate", labeled, "--policy", policy, "--json", tmp_path / "nowhere" / "e.json", *CPU[:-1], ok=(2,))
+    assert "--json: folder" in res.output, res.output
+    assert time.monotonic() - t0 < 30  # refused before 400 rows were scored three times
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda m: m.update(policies="pii"), "policies must be a list"),
+    (lambda m: m.pop("settings"), "missing settings"),
+    (lambda m: m["settings"].update(batch_tokens="many"), "settings.batch_tokens"),
+    (lambda m: m["inputs"][0].pop("sha256"), "inputs[0].sha256"),
+])
+def test_verify_names_damaged_metadata_in_one_line(tmp_path, damage, says):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    run("score", src, "-o", out, *CPU)
+    meta_file = out.with_name(out.name + ".meta.json")
+    meta = json.loads(meta_file.read_text())
+    damage(meta)
+    meta_file.write_text(json.dumps(meta))
+    res = run("verify", out, ok=(1,))
+    assert f"{out}: its metadata" in res.output and says in res.output, res.output
+    meta_file.write_text("[1]")
+    res = run("verify", out, ok=(1,))
+    assert "must hold a JSON object" in res.output, res.output
+
+
+def test_an_adapter_config_that_is_not_its_weights_is_refused(tmp_path):
+    policy = tmp_path / "pii"
+    shutil.copytree(POLICY, policy)
+    cfg_path = policy / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    load_policy(policy)  # as shipped: it fits
+    cfg_path.write_text(json.dumps({**cfg, "r": cfg["r"] * 2}))
+    with pytest.raises(PolicyscanError, match=rf"r \(or rank_pattern\) is {cfg['r'] * 2} .* have rank {cfg['r']}"):
+        load_policy(policy)
+    cfg_path.write_text(json.dumps({**cfg, "rank_pattern": {"q_proj": cfg["r"] + 1}}))
+    with pytest.raises(PolicyscanError, match="q_proj"):
+        load_policy(policy)
+    cfg_path.write_text(json.dumps({**cfg, "target_modules": ["nonexistent_proj"]}))
+    with pytest.raises(PolicyscanError, match=r"target_modules \['nonexistent_proj'\] does not name"):
+        load_policy(policy)
+
+
+@pytest.mark.parametrize("expression", ["'x' * 1000000000", "'x'.ljust(1000000000)", "'x' | center(1000000000)",
+                                        "'%999999999s' % 'x'", "'{:>999999999}'.format('x')", "2 ** 100000000"])
+def test_a_chat_template_cannot_build_past_the_limit(tmp_path, expression):
+    """Each of these would allocate a gigabyte in one step, which the render's time limit cannot stop: the row is
+    an error naming the limit, and the run goes on; a template within it renders as before."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{{ " + expression + " }}")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    out = tmp_path / "o.jsonl"
+    t0 = time.monotonic()
+    run("score", src, "-o", out, *CPU, "--chat-template", template, ok=(3,))
+    assert time.monotonic() - t0 < 30
+    (err,) = _errors(out)
+    assert "the chat template" in err["reason"] and ("past" in err["reason"] or "8 digits" in err["reason"]), err
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{{ 'x' * 8 }}")
+    run("score", src, "-o", tmp_path / "fine.jsonl", *CPU, "--chat-template", template)
