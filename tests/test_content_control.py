@@ -148,6 +148,22 @@ def test_a_role_cannot_close_the_markup_around_it_into_a_special_token(encoders)
     assert enc.tok.decode(ids).startswith("<|eos|>hi")
 
 
+def test_a_standard_role_reaches_the_template_as_written(tmp_path):
+    """'tool' lies inside a special token '<tool_call>': a seam mark on it would send the message down the
+    template's other branch, so the standard roles pass unmarked; any other role is marked as content is."""
+    dst = _with_template(SAMPLE / "model", tmp_path / "m", "{% for m in messages %}{% if m.role == 'tool' %}[tool] "
+                         "{% else %}[{{ m.role }}] {% endif %}{{ m.content }}\n{% endfor %}")
+    tok = json.loads((dst / "tokenizer.json").read_text())
+    top = max(max(tok["model"]["vocab"].values()), *(a["id"] for a in tok["added_tokens"]))
+    tok["added_tokens"].append({"id": top + 1, "content": "<tool_call>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True})
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+    enc = TextEncoder(dst)
+    assert enc.render([{"role": "tool", "content": "42 degrees"}]) == "[tool] 42 degrees\n"
+    ids = enc.encode(enc.render([{"role": "<tool_call>", "content": "x"}]))
+    assert _special_ids(ids, enc) == []
+
+
 def test_content_cannot_finish_a_special_token_the_markup_begins(tmp_path):
     src = SAMPLE / "model"
     enc = TextEncoder(_with_template(src, tmp_path / "m", "{% for m in messages %}[<|e{{ m.content }}]{% endfor %}"))

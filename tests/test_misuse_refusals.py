@@ -57,7 +57,7 @@ def test_an_unreadable_labeled_file_is_one_line(tmp_path, content, why):
     jsonl = tmp_path / "labeled.jsonl"
     jsonl.write_text("[1, 2]\n")
     res = run("calibrate", jsonl, "--policy", policy, "--dry-run", *CPU[:-1], ok=(1,))
-    assert "line 1 is no JSON object" in res.output, res.output
+    assert "no JSON object among its first 4096 lines" in res.output, res.output
 
 
 def test_a_plot_or_json_that_cannot_be_written_is_refused_before_scoring(tmp_path):
@@ -110,6 +110,8 @@ def test_an_adapter_config_that_is_not_its_weights_is_refused(tmp_path):
     cfg_path.write_text(json.dumps({**cfg, "rank_pattern": {"q_proj": cfg["r"] + 1}}))
     with pytest.raises(PolicyscanError, match="q_proj"):
         load_policy(policy)
+    cfg_path.write_text(json.dumps({**cfg, "rank_pattern": {"q_proj|v_proj": cfg["r"]}}))  # PEFT's regex rule
+    load_policy(policy)
     cfg_path.write_text(json.dumps({**cfg, "target_modules": ["nonexistent_proj"]}))
     with pytest.raises(PolicyscanError, match=r"target_modules \['nonexistent_proj'\] does not name"):
         load_policy(policy)
@@ -132,3 +134,25 @@ def test_a_chat_template_cannot_build_past_the_limit(tmp_path, expression):
     assert "the chat template" in err["reason"] and ("past" in err["reason"] or "8 digits" in err["reason"]), err
     template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{{ 'x' * 8 }}")
     run("score", src, "-o", tmp_path / "fine.jsonl", *CPU, "--chat-template", template)
+
+
+@pytest.mark.parametrize("change, says", [({"numerics": {"dtype": "float16"}}, "recorded numerics"),
+                                          ({"device": "tpu"}, "recorded device 'tpu'")])
+def test_verify_names_numerics_or_a_device_it_cannot_run(tmp_path, change, says):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    run("score", src, "-o", out, *CPU)
+    meta_file = out.with_name(out.name + ".meta.json")
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), **change}))
+    res = run("verify", out, ok=(1,))
+    assert says in res.output and "Traceback" not in res.output, res.output
+
+
+def test_a_glob_that_climbs_out_of_its_folders_writes_inside_the_output_folder(tmp_path):
+    from policyscan.engine.inputs.discover import named_inputs
+
+    (tmp_path / "arch" / "d1").mkdir(parents=True)
+    pq.write_table(pa.table({"id": ["a"], "text": ["hi"]}), tmp_path / "y.parquet")
+    (name,) = [n for _, n in named_inputs([str(tmp_path / "arch" / "*" / ".." / ".." / "y.parquet")])]
+    assert str(name) == "y.parquet"

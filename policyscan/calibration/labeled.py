@@ -4,9 +4,7 @@ its raw label are kept."""
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import numpy as np
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.files import check_regular
+from policyscan.engine.inputs.jsonl import parsed_lines
 from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 from policyscan.engine.run.pipeline import encode_chunk
 from policyscan.engine.run.runner import Engine
@@ -79,12 +78,15 @@ def score_labeled_policies(engine: Engine, files: list[Path], spec: ReadSpec,
             for j in range(len(names))]
 
 
-FIRST_LINE_LIMIT = 64 << 20  # the bytes of a JSONL file's first line read for its columns
+LINES_LOOKED_AT = 4096  # a JSONL file's lines read for its columns: the first object among them names them
 
 
 def column_names(path: Path) -> list[str]:
-    """A labeled file's columns: a Parquet schema's names, a JSONL file's first line's keys. A file that is not a
-    regular file, or cannot be read so far, is an InputError naming it."""
+    """A labeled file's columns: a Parquet schema's names, the keys of a JSONL file's first object (blank and
+    malformed lines before it are the reader's row errors). A file that is not a regular file, or cannot be read
+    so far, is an InputError naming it."""
+    import zlib
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -92,16 +94,16 @@ def column_names(path: Path) -> list[str]:
     try:
         if path.name.endswith(".parquet"):
             return pq.ParquetFile(path).schema_arrow.names
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as fh:
-            first = json.loads(fh.readline(FIRST_LINE_LIMIT))
-    except (OSError, EOFError, ValueError, pa.ArrowException) as e:
+        for n, ((line_no, obj, _), _) in enumerate(parsed_lines(path)):
+            if isinstance(obj, dict):
+                return list(obj)
+            if n + 1 >= LINES_LOOKED_AT:
+                break
+    except (OSError, EOFError, ValueError, zlib.error, pa.ArrowException) as e:
         raise InputError(f"{path}: cannot read its columns ({type(e).__name__}: {e}); is it a Parquet or JSONL file, "
                          "whole?") from e
-    if not isinstance(first, dict):
-        raise InputError(f"{path}: line 1 is no JSON object, so it names no columns; a labeled JSONL file holds one "
-                         "object a line")
-    return list(first)
+    raise InputError(f"{path}: no JSON object among its first {LINES_LOOKED_AT} lines, so nothing names its columns; "
+                     "a labeled JSONL file holds one object a line")
 
 
 def guess_label_column(path: Path, policy_name: str) -> str:

@@ -17,12 +17,7 @@ def require_matplotlib() -> None:
         raise PolicyscanError("--plot needs matplotlib: pip install 'policyscan[plot]' (or leave out --plot)") from e
 
 
-def plot_suffixes() -> tuple[str, ...]:
-    """The file suffixes matplotlib can write a diagram as (.png, .pdf, .svg, ...)."""
-    require_matplotlib()
-    from matplotlib.figure import Figure
-
-    return tuple(f".{ext}" for ext in Figure().canvas.get_supported_filetypes())
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".eps", ".ps")  # what matplotlib writes with no LaTeX or Pillow plugin
 
 
 def reliability_plot(path: Path, title: str, curves: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:

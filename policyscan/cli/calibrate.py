@@ -12,7 +12,7 @@ from policyscan.calibration.labeled import read_scores, score_labeled, split_hol
 from policyscan.calibration.labels import parse_labels
 from policyscan.calibration.metrics import summary
 from policyscan.calibration.platt import PlattFit, fit_platt
-from policyscan.calibration.plot import plot_suffixes, reliability_plot, require_matplotlib
+from policyscan.calibration.plot import PLOT_SUFFIXES, reliability_plot, require_matplotlib
 from policyscan.calibration.precision_check import fp8_check
 from policyscan.calibration.record import data_sha256, write_calibration
 from policyscan.cli.common import (
@@ -69,9 +69,9 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
     check_lengths(batch_tokens, max_length, Path(model or default_model()))
     if plot:  # before the scoring, not after it
         require_matplotlib()
-        if not plot.lower().endswith(suffixes := plot_suffixes()):
-            raise click.UsageError(f"--plot {plot}: end the name in one of {', '.join(suffixes)} (the suffix sets "
-                                   "the image's format)")
+        if not plot.lower().endswith(PLOT_SUFFIXES):
+            raise click.UsageError(f"--plot {plot}: end the name in one of {', '.join(PLOT_SUFFIXES)} (the suffix "
+                                   "sets the image's format)")
         check_writable_dir(Path(plot).parent, "--plot")
     policy = load_policy(policy_dir)
     files = input_files(list(labeled))

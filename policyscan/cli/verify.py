@@ -59,7 +59,11 @@ def verify(output: str, sample: int, device: str | None) -> None:
     run_device = str(meta["device"]).split(":")[0]
     device = device or run_device
     # without it: on the run's kind of device its own request decides again, elsewhere the name
-    request = s["precision"] if resolve_device(device).type == run_device else meta["precision"]
+    try:
+        kind = resolve_device(device).type
+    except (RuntimeError, ValueError) as e:  # a device name this torch does not know
+        raise PolicyscanError(f"{out}: the recorded device {device!r} cannot be used here ({e}); pass --device") from e
+    request = s["precision"] if kind == run_device else meta["precision"]
     try:
         settings = EngineSettings(device, request, s["batch_tokens"], s["max_length"],
                                   cuda_graphs=s.get("cuda_graphs", True), chat_template=s.get("chat_template"),
@@ -67,8 +71,14 @@ def verify(output: str, sample: int, device: str | None) -> None:
                                   fp8_flip_limit=s.get("fp8_flip_limit", 0.01))
     except OptionError as e:  # the metadata's, not this command line's: the run cannot be repeated (exit 1)
         raise PolicyscanError(f"{out}: the recorded settings cannot be run again: {e}") from e
-    engine = Engine(meta["model"]["path"], policies, settings,
-                    precision=Precision.from_record(numerics) if numerics else None)
+    try:
+        precision = Precision.from_record(numerics) if numerics else None
+    except ValueError as e:
+        raise PolicyscanError(f"{out}: the recorded numerics cannot be run again: {e}") from e
+    try:
+        engine = Engine(meta["model"]["path"], policies, settings, precision=precision)
+    except OptionError as e:  # the recorded settings against this model (a batch that holds no prompt)
+        raise PolicyscanError(f"{out}: the recorded settings cannot be run again: {e}") from e
     took = meta.get("max_length", s["max_length"])  # outputs from before the cap record --max-length alone
     if took != engine.max_length:
         raise PolicyscanError(f"{out}: its prompts could take {took} tokens, "

@@ -121,7 +121,8 @@ def _train(job: TrainJob, policy: Policy, device: torch.device, precision: str, 
         del model
         if f_ref is None:  # the 16-bit trainer's own reference: the same adapter on the base read in fp32
             f_ref = _fp32_verdicts(job, label_ids, device, precision, result.state, examples)
-        settings = EngineSettings(str(device), "fp32" if precision == "fp32" else precision,
+        whole = max(EngineSettings.batch_tokens, ckpt.config.prompt_length(job.max_length))  # a batch holds a prompt
+        settings = EngineSettings(str(device), "fp32" if precision == "fp32" else precision, batch_tokens=whole,
                                   max_length=job.max_length, chat_template=job.chat_template,
                                   text_is_rendered=job.text_is_rendered)
         engine = Engine(job.model_dir, [load_policy(stage)], settings)

@@ -69,8 +69,15 @@ def _expand(item: str) -> list[tuple[Path, Path]]:
         found = sorted(f for f in _glob(item, base) if not is_own_output(f))
         if not found:
             raise InputError(f"{item}: the pattern matches no files (policyscan's own outputs are never inputs)")
-        return [(f, f.relative_to(base)) for f in found]
+        return [(f, _below(f.relative_to(base), f)) for f in found]
     raise InputError(f"{item}: no such file or directory")
+
+
+def _below(name: Path, f: Path) -> Path:
+    """A glob's name for `f`, '..' resolved; one that climbs out of the glob's folders is the file name alone, so an
+    output never lands outside its -o folder."""
+    name = Path(os.path.normpath(name))
+    return Path(f.name) if name.parts[:1] == ("..",) else name
 
 
 def _fixed_folders(pattern: str) -> Path:

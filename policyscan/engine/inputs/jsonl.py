@@ -23,6 +23,7 @@ from policyscan.engine.inputs.rows import (
     as_str,
     clip,
     conversation,
+    conversation_candidates,
     pick_column,
     printable,
     surrogate,
@@ -145,7 +146,14 @@ def _pick(spec: ReadSpec, pending: list[Parsed], path: Path) -> tuple[str, bool]
     objs = [obj for _, obj, _ in pending if obj is not None]
     if not objs:
         return None
+    if not (spec.text_column or spec.messages_column):
+        for line_no, obj, _ in pending:  # one line with two candidates: which one it means cannot be told
+            if obj is not None and len(conversation_candidates(obj)) > 1:
+                return pick_column(spec, list(obj), path, f" (line {line_no})")
     keys = list(dict.fromkeys(k for obj in objs for k in obj))
+    found = conversation_candidates(keys)
+    if len(found) > 1:  # lines that differ: the first candidate is the column, and a line without it is an error row
+        keys = [found[0]] + [k for k in keys if k not in found]
     where = f" (the keys of lines {pending[0][0]} to {pending[-1][0]})"
     return pick_column(spec, keys, path, where)
 

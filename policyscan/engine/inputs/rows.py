@@ -57,6 +57,11 @@ class PartialFileError(InputError):
         self.done, self.total = done, total
 
 
+def conversation_candidates(columns) -> list[str]:
+    """The column names, among `columns`, that are taken for the conversation when none is named."""
+    return [g for g in dict.fromkeys(TEXT_GUESSES + MESSAGES_GUESSES) if g in columns]
+
+
 def pick_column(spec: ReadSpec, columns: list[str], path: Path, where: str = "") -> tuple[str, bool]:
     """(column, is_messages) from the spec, or guessed from the names present (`where` says whose names)."""
     if spec.text_column or spec.messages_column:
@@ -64,7 +69,7 @@ def pick_column(spec: ReadSpec, columns: list[str], path: Path, where: str = "")
         if col not in columns:
             raise InputError(f"{path}: no column {col!r}; it has {columns}")
         return col, spec.messages_column is not None
-    found = [g for g in dict.fromkeys(TEXT_GUESSES + MESSAGES_GUESSES) if g in columns]
+    found = conversation_candidates(columns)
     if len(found) > 1:  # two candidates may disagree about a row: choosing one would be a guess
         raise InputError(f"{path}: columns {found} could each be the conversation{where}; name one with "
                          "--text-column or --messages-column")

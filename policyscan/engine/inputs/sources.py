@@ -6,6 +6,7 @@ regular file (a FIFO, a device, a dangling link, ...) is refused before it is op
 and says what it is, which the pipeline lists in the errors file as it lists any file that cannot be read."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,7 @@ def parquet_layout(path: Path, spec: ReadSpec) -> ParquetLayout:
     except Exception as e:
         raise InputError(f"{path}: not a readable Parquet file ({e}); is it truncated?") from e
     schema = pf.schema_arrow
-    twice = sorted({n for n in schema.names if schema.names.count(n) > 1})
+    twice = sorted(n for n, k in Counter(schema.names).items() if k > 1)
     if twice:
         raise InputError(f"{path}: the column name(s) {twice} appear more than once; which one holds the data "
                          "cannot be told: write the file with distinct column names")

@@ -176,11 +176,11 @@ def _module(layer: int, proj: str) -> str:
 
 
 def _pattern(patterns: dict, layer: int, proj: str, default: float, cfg_path: Path, what: str) -> float:
-    """PEFT's alpha_pattern and rank_pattern: keys match the end of the module name (or are regexes)."""
+    """PEFT's alpha_pattern and rank_pattern: a key is a regular expression for the module name's end."""
     module = _module(layer, proj)
     for key, value in patterns.items():
         try:
-            hit = module.endswith(key) or re.fullmatch(rf"(.*\.)?{key}", module)
+            hit = re.match(rf"(.*\.)?({key})$", module)  # PEFT's own rule
         except re.error as e:
             raise PolicyError(f"{cfg_path}: {what} key {key!r} is neither a module name's end nor a regular "
                               f"expression ({e})") from e

@@ -25,6 +25,8 @@ REWRITES = ("the chat template rewrites message contents (escapes or cuts them),
             "with this template")
 _UNMARK = re.compile(f"{ESC}{ESC}|{BRK}{BRK}|{ESC}|{BRK}")  # a doubled mark is the literal mark, a single one nothing
 STAND_IN = "\ufffd"  # what a special-token string in content becomes in the render that finds the markup's tokens
+# roles that chat templates test by name; they hold no special-token string, so they pass unmarked
+STANDARD_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer", "ipython"})
 
 
 @dataclass(frozen=True)
@@ -174,4 +176,7 @@ class Conversations:
 
     @staticmethod
     def _each(message: dict, how) -> dict:
-        return {k: how(v) if isinstance(v, str) else v for k, v in message.items()}
+        """Every string of a message marked, but a standard role: templates compare it (role == 'tool'), and a
+        seam mark (say, 'tool' inside a '<tool_call>' token) would send the message down the wrong branch."""
+        return {k: how(v) if isinstance(v, str) and not (k == "role" and v in STANDARD_ROLES) else v
+                for k, v in message.items()}

@@ -1,27 +1,32 @@
-"""The Jinja sandbox chat templates render in: Jinja's immutable sandbox, and a bound on what one template
-expression may build, so that a template cannot take a run's memory (the render's time limit cannot stop one
-allocation: chat_template._time_limit).
+"""The Jinja sandbox chat templates render in: Jinja's immutable sandbox, and a bound on what one template step may
+build, so that a template cannot take a run's memory (the render's time limit cannot stop one allocation:
+chat_template._time_limit).
 
-Refused, as a render error of that row: repeating a string or list past BUILT_LIMIT items (`'x' * 10**9`), a
-power with an exponent past POWER_LIMIT, an integer argument past BUILT_LIMIT to any call or filter
-(`'x'.ljust(10**9)`, `center(10**9)`), and a format string with a width or precision of 8 digits or more
-(`'%999999999s' % x`, `'{:>999999999}'.format(x)`). Real chat templates do none of these."""
+Refused, as a render error of that row: repeating a string or list past BUILT_LIMIT items (`'x' * 10**9`), an
+integer product or power past INT_BITS bits, padding past BUILT_LIMIT (`'x'.ljust(10**9)`, `center`, `indent`, a
+`%` or `format` width or precision), and a replace that would grow a string past it. Real chat templates do none
+of these; numbers in the data (a timestamp passed to `format`) are no sizes and pass."""
 from __future__ import annotations
 
 import functools
 import re
+import string
 
-BUILT_LIMIT = 1 << 24  # items one expression may build: far past any conversation's rendering
-POWER_LIMIT = 4096
-_WIDE = re.compile(r"\d{8,}")  # a width or precision of 8 digits or more in a format string
+BUILT_LIMIT = 1 << 24  # items one step may build: far past any conversation's rendering
+INT_BITS = 1 << 16  # bits of an integer a product or power may make
+# the str methods and filters whose integer arguments are sizes of what they build
+PADDING_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
+PADDING_FILTERS = frozenset({"center", "indent", "wordwrap", "truncate", "batch", "slice"})
+_PERCENT = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
+_SPEC_WIDTH = re.compile(r"^(?:.?[<>=^])?[-+ ]?#?0?(\d+)?[,_]?(?:\.(\d+))?")
 
 
 class TemplateLimitError(ValueError):
-    """A chat template expression that would build more than the sandbox allows."""
+    """A chat template step that would build more than the sandbox allows."""
 
 
 def sandbox():
-    """A new ImmutableSandboxedEnvironment whose expressions are bounded as the module says."""
+    """A new ImmutableSandboxedEnvironment whose steps are bounded as the module says."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Bounded(ImmutableSandboxedEnvironment):
@@ -33,10 +38,9 @@ def sandbox():
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  Jinja's own signature
             method = getattr(__obj, "__wrapped__", __obj)  # the sandbox hands str.format out wrapped
-            if getattr(method, "__name__", None) in ("format", "format_map") and isinstance(
-                    getattr(method, "__self__", None), str):
-                _check_format(method.__self__)
-            _check_args(args, kwargs)
+            owner = getattr(method, "__self__", None)
+            if isinstance(owner, str):
+                _check_method(method.__name__, owner, args, kwargs)
             return super().call(__context, __obj, *args, **kwargs)
 
     env = Bounded(trim_blocks=True, lstrip_blocks=True)
@@ -48,36 +52,73 @@ def _check_binop(operator: str, left, right) -> None:
     if operator == "*":
         for seq, n in ((left, right), (right, left)):
             if isinstance(seq, (str, list, tuple)) and _is_int(n) and len(seq) * n > BUILT_LIMIT:
-                raise TemplateLimitError(f"the chat template repeats a {type(seq).__name__} of {len(seq)} items "
-                                         f"{n} times, past the {BUILT_LIMIT} it may build")
+                _refuse(f"repeats a {type(seq).__name__} of {len(seq)} items {_say(n)} times")
+        if _is_int(left) and _is_int(right) and left.bit_length() + right.bit_length() > INT_BITS:
+            _refuse("multiplies integers past its bits")
     elif operator == "**":
-        if _is_int(right) and right > POWER_LIMIT and not (_is_int(left) and abs(left) <= 1):
-            raise TemplateLimitError(f"the chat template raises to the power {right}, past {POWER_LIMIT}")
-    elif isinstance(left, str):  # '%' formatting
-        _check_format(left)
+        if _is_int(left) and _is_int(right) and abs(left) > 1 and left.bit_length() * max(right, 0) > INT_BITS:
+            _refuse(f"raises an integer of {left.bit_length()} bits to the power {_say(right)}")
+    elif isinstance(left, str):  # '%' formatting: a width or precision, written or given by '*'
+        values = list(right) if isinstance(right, tuple) else [right]
+        for m in _PERCENT.finditer(left):
+            for size in m.groups():
+                n = values.pop(0) if size == "*" and values else size
+                _check_size(n, "a % width or precision")
 
 
-def _check_args(args: tuple, kwargs: dict) -> None:
-    for a in (*args, *kwargs.values()):
-        if _is_int(a) and abs(a) > BUILT_LIMIT:
-            raise TemplateLimitError(f"the chat template passes {a} to a call, past the {BUILT_LIMIT} it may build")
+def _check_method(name: str, owner: str, args: tuple, kwargs: dict) -> None:
+    if name in PADDING_METHODS:
+        for a in (*args, *kwargs.values()):
+            _check_size(a, f"str.{name}")
+    elif name in ("format", "format_map"):
+        _check_format(owner, [*args, *kwargs.values()])
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        grown = owner.count(args[0]) * (len(args[1]) - len(args[0])) if args[0] else len(owner) * len(args[1])
+        if len(owner) + grown > BUILT_LIMIT:
+            _refuse(f"replaces into a string of {len(owner) + grown} characters")
 
 
-def _check_format(text: str) -> None:
-    if _WIDE.search(text):
-        raise TemplateLimitError(f"the chat template formats with {text[:60]!r}, whose width or precision has 8 "
-                                 "digits or more")
+def _check_format(text: str, values: list) -> None:
+    """str.format's fields: a width or precision written in the spec, or a nested field's value."""
+    try:
+        fields = list(string.Formatter().parse(text))
+    except ValueError:  # not a format string str.format would take: it raises itself
+        return
+    for _, _, spec, _ in fields:
+        if not spec:
+            continue
+        if "{" in spec:  # nested: the sizes are arguments
+            for v in values:
+                _check_size(v, "a format width")
+            continue
+        m = _SPEC_WIDTH.match(spec)
+        for size in (m.groups() if m else ()):
+            _check_size(size, "a format width or precision")
+
+
+def _check_size(n, what: str) -> None:
+    if isinstance(n, str):  # a size written in a format string, or given as one
+        n = int(n) if n.isdigit() and len(n) < 20 else (BUILT_LIMIT + 1 if n.isdigit() else 0)
+    if _is_int(n) and abs(n) > BUILT_LIMIT:
+        _refuse(f"asks {what} of {_say(n)}")
 
 
 def _bounded_filter(name: str, f):
-    """A filter whose integer arguments (after the value) are bounded, as calls are; `format`'s value is its format
-    string, checked as one. Jinja's markers on the filter (pass_context, ...) are kept by functools.wraps."""
+    """A padding filter (PADDING_FILTERS) with its size arguments bounded, `format` with its format string checked,
+    `replace` with its growth bounded; Jinja's markers on the filter (pass_context, ...) are kept by wraps."""
+    if name not in PADDING_FILTERS | {"format", "replace"}:
+        return f
+
     @functools.wraps(f)
     def bounded(*args, **kwargs):
         values = [a for a in args if not _is_context(a)]
         if name == "format" and values and isinstance(values[0], str):
-            _check_format(values[0])
-        _check_args(tuple(values[1:]), kwargs)
+            _check_binop("%", values[0], tuple(values[1:]))
+        elif name == "replace" and len(values) >= 3 and all(isinstance(v, str) for v in values[:3]):
+            _check_method("replace", values[0], tuple(values[1:3]), {})
+        elif name in PADDING_FILTERS:
+            for a in (*values[1:], *kwargs.values()):
+                _check_size(a, f"the {name} filter")
         return f(*args, **kwargs)
     return bounded
 
@@ -87,8 +128,17 @@ def _is_context(a) -> bool:
     from jinja2 import Environment
     from jinja2.nodes import EvalContext
     from jinja2.runtime import Context
+
     return isinstance(a, (Context, EvalContext, Environment))
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _say(n: int) -> str:
+    return str(n) if not _is_int(n) or n.bit_length() < 64 else f"an integer of {n.bit_length()} bits"
+
+
+def _refuse(what: str):
+    raise TemplateLimitError(f"the chat template {what}, past what one step may build ({BUILT_LIMIT} items)")
