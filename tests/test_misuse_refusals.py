@@ -20,6 +20,15 @@ CPU = ["--device", "cpu", "--threads", "1", "--max-length", "256", "--batch-toke
 POLICY = SAMPLE / "policies" / "pii"
 
 
+def _scored(tmp_path):
+    """A one-row JSONL output and its metadata file."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    run("score", src, "-o", out, *CPU)
+    return out, out.with_name(out.name + ".meta.json")
+
+
 def _errors(out) -> list[dict]:
     path = out.with_name(out.name + ".errors.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -83,11 +92,7 @@ def test_a_plot_or_json_that_cannot_be_written_is_refused_before_scoring(tmp_pat
     (lambda m: m["inputs"][0].pop("sha256"), "inputs[0].sha256"),
 ])
 def test_verify_names_damaged_metadata_in_one_line(tmp_path, damage, says):
-    src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
-    out = tmp_path / "o.jsonl"
-    run("score", src, "-o", out, *CPU)
-    meta_file = out.with_name(out.name + ".meta.json")
+    out, meta_file = _scored(tmp_path)
     meta = json.loads(meta_file.read_text())
     damage(meta)
     meta_file.write_text(json.dumps(meta))
@@ -139,11 +144,7 @@ def test_a_chat_template_cannot_build_past_the_limit(tmp_path, expression):
 @pytest.mark.parametrize("change, says", [({"numerics": {"dtype": "float16"}}, "recorded numerics"),
                                           ({"device": "tpu"}, "recorded device 'tpu'")])
 def test_verify_names_numerics_or_a_device_it_cannot_run(tmp_path, change, says):
-    src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
-    out = tmp_path / "o.jsonl"
-    run("score", src, "-o", out, *CPU)
-    meta_file = out.with_name(out.name + ".meta.json")
+    out, meta_file = _scored(tmp_path)
     meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), **change}))
     res = run("verify", out, ok=(1,))
     assert says in res.output and "Traceback" not in res.output, res.output
