@@ -115,6 +115,35 @@ def test_a_full_disk_changes_neither_output_nor_errors_file(tmp_path, monkeypatc
     assert _digest(tmp_path) == before and not list(tmp_path.glob(".*"))
 
 
+def test_a_full_disk_while_writing_jsonl_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """ENOSPC in a write, and again when the buffered file is closed on the way out (its flush): the temporary
+    output and errors file still go, as the message says."""
+    import builtins
+    import io
+
+    logs, _, _, before = _previous_run(tmp_path)
+    real_open = builtins.open
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def open_(path, mode="r", *args, **kwargs):
+        if "w" not in mode or ".tmp-" not in str(path):
+            return real_open(path, mode, *args, **kwargs)
+        real_open(path, mode, *args, **kwargs).close()  # the temporary file is there, as on a real disk
+        return Full()
+
+    monkeypatch.setattr(builtins, "open", open_)
+    res = _score(logs, "-o", tmp_path / "new.scores.jsonl")
+    monkeypatch.undo()
+    assert res.exit_code == 1 and "disk is full" in res.output and "no partial output was left behind" in res.output
+    assert _digest(tmp_path) == before and not list(tmp_path.glob(".*")), sorted(p.name for p in tmp_path.iterdir())
+
+
 def test_a_failed_rename_puts_both_files_back(tmp_path, monkeypatch):
     """The errors file is renamed into place first; when the output's rename then fails, it is put back."""
     from policyscan.engine.outputs import sinks

@@ -123,8 +123,10 @@ class RunOutput:
 
     def abort(self) -> None:
         """Leave nothing behind: the temporary files go, the old outputs stay."""
-        self.writer.abort()
-        self.err.abort()
+        try:
+            self.writer.abort()
+        finally:
+            self.err.abort()
 
 
 def _changed_while_read(path: Path, sha: str | None, err: ErrorWriter, acc: Accounting, strict: bool) -> bool:

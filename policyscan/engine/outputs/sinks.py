@@ -145,13 +145,7 @@ class ScoreWriter:
         return [(self.tmp, self.path)]
 
     def abort(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-        if self._pq is not None:
-            self._pq.close()
-        self.tmp.unlink(missing_ok=True)
-        if self.fmt == "jsonl":
-            temp_path(meta_path(self.path)).unlink(missing_ok=True)
+        discard([self._fh, self._pq], [self.tmp] + ([temp_path(meta_path(self.path))] if self.fmt == "jsonl" else []))
 
 
 def meta_path(out: Path) -> Path:
@@ -212,9 +206,20 @@ class ErrorWriter:
         return [(self.tmp, self.path)], []
 
     def abort(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-        self.tmp.unlink(missing_ok=True)
+        discard([self._fh], [self.tmp])
+
+
+def discard(handles: list, temps: list[Path]) -> None:
+    """Close what was being written and remove its temporary files. A close that fails (its flush finds the disk
+    full) does not keep a file behind: the file is thrown away either way."""
+    for h in handles:
+        if h is not None:
+            try:
+                h.close()
+            except (OSError, pa.ArrowException):
+                pass
+    for t in temps:
+        t.unlink(missing_ok=True)
 
 
 def commit_together(moves: list[tuple[Path, Path]], remove: list[Path]) -> None:
