@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import shutil
@@ -94,7 +95,7 @@ class ScoreWriter:
         self.rows += len(ids)
         if self._fh is not None:
             for rec in table.to_pylist():
-                self._fh.write(json.dumps(rec, default=str) + "\n")
+                self._fh.write(json_line(rec))
             return
         if self._pq is None:
             self._pq = pq.ParquetWriter(self.tmp, table.schema)
@@ -146,6 +147,26 @@ class ScoreWriter:
 
     def abort(self) -> None:
         discard([self._fh, self._pq], [self.tmp] + ([temp_path(meta_path(self.path))] if self.fmt == "jsonl" else []))
+
+
+def json_line(rec: dict) -> str:
+    """One JSONL row. JSON has no NaN or Infinity: a float id or kept value that is one is written as its text
+    ("nan"), so that every line parses (scores are always finite: a row whose f is not is an error row)."""
+    try:
+        return json.dumps(rec, default=str, allow_nan=False) + "\n"
+    except ValueError:
+        return json.dumps(_finite(rec), default=str, allow_nan=False) + "\n"
+
+
+def _finite(v):
+    """`v` with every NaN or infinite float, at any depth, as its text."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
 
 
 def meta_path(out: Path) -> Path:
