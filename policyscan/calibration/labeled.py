@@ -94,7 +94,7 @@ def column_names(path: Path) -> list[str]:
     try:
         if path.name.endswith(".parquet"):
             return pq.ParquetFile(path).schema_arrow.names
-        for n, ((line_no, obj, _), _) in enumerate(parsed_lines(path)):
+        for n, ((_, obj, _), _) in enumerate(parsed_lines(path)):
             if isinstance(obj, dict):
                 return list(obj)
             if n + 1 >= LINES_LOOKED_AT:
