@@ -7,7 +7,8 @@ against the kernel behind torch SDPA's flash backend (FlashAttention-2's varlen 
 
 Per GEMM: cuBLAS's time for the bare product, the fused kernel lora_gemm picks (its LoRA expand, SiLU-and-mul or
 residual included, so cuBLAS does less work), the Triton kernel alone, and whether the two kernels gave the same
-bits (they must: lora_gemm picks between them by M). --sweep also times attention tiles (tuning.attention_tiles);
+bits (they must: lora_gemm picks between them by M). --sweep also times attention tiles (tuning.attention_tiles),
+q read from registers among them, and says whether a tile with the shipped key block gives the shipped tile's bits;
 --dense adds equal-length batches, where cuDNN's fused attention (SDPA's cuDNN backend) runs as well."""
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from workloads import WORKLOADS, shape, workload_lengths  # noqa: E402
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.reference import AttnShape  # noqa: E402
-from policyscan.kernels.tuning import gemm_tiles  # noqa: E402
+from policyscan.kernels.tuning import attention_tiles, gemm_tiles  # noqa: E402
 
 RANK = 16
 # projection, its fused projections (ranks stack), and its epilogue as the engine runs it
@@ -129,16 +130,24 @@ def attention_rows(name: str, tokens: int, sweep: bool, length: int | None = Non
         rows.append(dict(base, config="cuDNN dense", ms=t_cudnn, tf=fl / t_cudnn / 1e9))
     if sweep:
         G = H // Hkv
-        for r, nw, bn, ns, mr in [(64, 4, 32, 2, 128), (64, 4, 64, 2, None), (64, 4, 64, 3, 168), (128, 8, 32, 2, None),
-                                  (128, 8, 64, 2, None), (128, 8, 64, 3, None), (128, 8, 128, 2, None),
-                                  (64, 4, 128, 2, None)]:
-            c = dict(BQ=max(1, r // G), BN=bn, num_warps=nw, num_stages=ns, maxnreg=mr)
+        shipped = varlen_attention(qkv, cu, att, scale)
+        # rows, warps, key block, stages, register cap, q from registers (tuning.attention_tiles' q_regs;
+        # bench/attention_ptx.py gives each tile's registers and matrix instructions without a GPU)
+        for r, nw, bn, ns, mr, qr in [(64, 4, 32, 2, 128, False), (64, 4, 64, 2, None, False), (64, 4, 64, 3, 168, False),
+                                      (128, 8, 32, 2, None, False), (128, 8, 64, 2, None, False),
+                                      (128, 8, 64, 3, None, False), (128, 8, 128, 2, None, False),
+                                      (64, 4, 128, 2, None, False), (64, 4, 32, 2, 168, True), (64, 4, 64, 2, None, True),
+                                      (128, 8, 32, 2, None, True), (128, 8, 64, 2, None, True)]:
+            c = dict(BQ=max(1, r // G), BN=bn, num_warps=nw, num_stages=ns, maxnreg=mr, q_regs=qr)
+            out = torch.full_like(shipped, float("nan"))  # poisoned: a row the config does not write shows
             try:
-                t = timed(lambda: varlen_attention(qkv, cu, att, scale, config=c))
+                t = timed(lambda: varlen_attention(qkv, cu, att, scale, config=c, out=out))
             except Exception as e:  # registers, shared memory: the config does not compile
                 print(f"    attention {name} {c}: skipped: {type(e).__name__}: {str(e)[:100]}")
                 continue
-            rows.append(dict(base, config=str(c), ms=t, tf=fl / t / 1e9))
+            # a key block sets the softmax's reduction order: only the shipped key block can give its bits
+            same = torch.equal(out, shipped) if bn == attention_tiles(G, D, False)["BN"] else None
+            rows.append(dict(base, config=str(c), ms=t, tf=fl / t / 1e9, same=same))
     return rows
 
 
@@ -165,9 +174,10 @@ def main() -> None:
     for name in names:
         rows = attention_rows(name, args.attention_tokens, args.sweep)
         for n in filter(None, args.dense.split(",")):
-            rows += attention_rows(name, args.attention_tokens, False, int(n))
+            rows += attention_rows(name, args.attention_tokens, args.sweep, int(n))
         for r in rows:
             extra = f" (max |diff| to flash {r['max_diff']:.1e})" if "max_diff" in r else ""
+            extra += "" if r.get("same") is None else f" (the shipped tile's bits: {r['same']})"
             print(f"{r['workload']:<10}{r['tokens']:>8}{r['seqs']:>6}{r['longest']:>8}{r['tf']:>7.0f}  "
                   f"{r['config']}{extra}", flush=True)
 
