@@ -159,16 +159,17 @@ def test_a_glob_that_climbs_out_of_its_folders_writes_inside_the_output_folder(t
     assert str(name) == "y.parquet"
 
 
-def test_a_jsonl_output_is_json_whatever_floats_the_ids_and_kept_columns_hold(tmp_path):
-    """JSON has no NaN: a float id or a kept value that is one is written as its text, and every line parses."""
+def test_a_jsonl_output_is_json_whatever_floats_the_kept_columns_hold(tmp_path):
+    """JSON has no NaN: a kept value that is one is written as its text, and every line parses. (An id column of
+    floats is refused: tests/test_misuse_ids.py.)"""
     src = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": [1.5, float("nan")], "text": ["hi", "there"],
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["hi", "there"], "f": [1.5, float("nan")],
                              "k": [[1.0, float("inf")], [2.0]]}), src)
     out = tmp_path / "o.jsonl"
-    run("score", src, "-o", out, "--keep", "k", *CPU)
+    run("score", src, "-o", out, "--keep", "f", "--keep", "k", *CPU)
 
     def refuse(name):
         raise AssertionError(f"{name} in a JSONL output")
 
     rows = [json.loads(line, parse_constant=refuse) for line in out.read_text().splitlines()]
-    assert [(r["id"], r["k"]) for r in rows] == [(1.5, [1.0, "inf"]), ("nan", [2.0])]
+    assert [(r["id"], r["f"], r["k"]) for r in rows] == [("a", 1.5, [1.0, "inf"]), ("b", "nan", [2.0])]

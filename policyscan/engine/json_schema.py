@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from policyscan.engine import strict_json
 from policyscan.engine.errors import PolicyscanError
 
 # JSON type name -> how a message says it
@@ -80,13 +81,14 @@ def load(path: Path, schema: dict[str, Field], error: type[PolicyscanError]) -> 
 
 
 def read_json(path: Path, error: type[PolicyscanError]) -> object:
-    """The file's JSON, unchecked; not JSON, or nested past what Python parses: `error` naming the file."""
+    """The file's JSON, unchecked; not JSON, an object naming a key twice, or nested past what Python parses: `error`
+    naming the file."""
     try:
-        return json.loads(Path(path).read_bytes())
+        return strict_json.loads(Path(path).read_bytes())
     except RecursionError as e:  # json.loads gives up past Python's recursion limit (a thousand levels or so)
         raise error(f"{path}: its JSON is nested too deeply to read; the file is damaged or not what it is "
                     "named") from e
-    except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for bytes in no Unicode encoding
+    except ValueError as e:  # JSONDecodeError, DuplicateKeyError, UnicodeDecodeError (bytes in no Unicode encoding)
         raise error(f"{path}: not valid JSON ({e})") from e
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from policyscan.engine import strict_json
+
 SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
          "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 MAX_HEADER = 100_000_000  # safetensors' own limit
@@ -52,7 +54,9 @@ def read_header(f: BinaryIO, path: Path, error: type[Exception]) -> Header:
     if len(text) < n:
         raise fail(f"the header is cut short ({len(text)} of {n} bytes): the file is truncated")
     try:
-        header = json.loads(text)
+        header = strict_json.loads(text)
+    except strict_json.DuplicateKeyError as e:  # a tensor named twice: which bytes hold it cannot be told
+        raise fail(f"its header is ambiguous: {e}; the file is damaged") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise fail(f"its header is not valid JSON ({e}); the file is damaged") from e
     except RecursionError as e:  # nested past Python's recursion limit: no safetensors header is

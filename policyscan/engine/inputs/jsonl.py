@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from policyscan.engine import strict_json
 from policyscan.engine.errors import InputError
 from policyscan.engine.files import open_regular
 from policyscan.engine.inputs.rows import (
@@ -24,6 +25,7 @@ from policyscan.engine.inputs.rows import (
     clip,
     conversation,
     conversation_candidates,
+    json_id,
     pick_column,
     printable,
     surrogate,
@@ -53,9 +55,11 @@ def parse_line(line: str) -> tuple[dict | None, str | None]:
         byte = ord(m.group()) - 0xdc00
         return None, f"invalid UTF-8 (byte 0x{byte:02x} at byte {at} of the line); the file must be UTF-8"
     try:
-        obj = json.loads(line)
+        obj = strict_json.loads(line)
     except json.JSONDecodeError as e:
         return None, f"malformed JSON ({e.msg} at column {e.colno})"
+    except strict_json.DuplicateKeyError as e:
+        return None, f"ambiguous JSON: {e}"
     except RecursionError:
         return None, "malformed JSON (nested too deeply to read)"
     if not isinstance(obj, dict):
@@ -168,7 +172,9 @@ def _chunk(path: Path, first_row: int, pending: list[Parsed], picked: tuple[str,
         text = None
         if obj is not None:
             text, err = _text(obj, picked, spec, render)
-        rid = as_str(fields.get(id_key, f"{path.name}:{line_no}"))
+        rid, bad_id = json_id(fields[id_key], id_key) if id_key in fields else (f"{path.name}:{line_no}", None)
+        if bad_id is not None:
+            text, err = None, err or bad_id
         kept = {k: as_str(fields.get(k)) for k in spec.keep}
         if (bad := _bad_strings(rid, kept)) is not None:
             text, err = None, err or bad

@@ -124,6 +124,29 @@ def as_str(v) -> str | None:
     return v if v is None or isinstance(v, str) else json.dumps(v)
 
 
+def json_id(v, key: str) -> tuple[str | None, str | None]:
+    """(the id as text, None) or (its text, why it cannot name the row): a JSON id must be a string or an integer.
+    A null names no row; a float, true or false, a list or an object would be named by a text that other tools
+    write differently (1.5 against 1.50, True against true)."""
+    if isinstance(v, str):
+        return v, None
+    if isinstance(v, int) and not isinstance(v, bool):
+        return str(v), None
+    if v is None:
+        return None, f"null id (field {key!r}); give every row an id, or name another field with --id-column"
+    kind = {bool: f"is {as_str(v)}", float: "has a fraction or an exponent", list: "is a list", dict: "is an object"}
+    return as_str(v), f"the id (field {key!r}) {kind[type(v)]}; ids must be strings or integers"
+
+
+def id_type_error(t: pa.DataType, col: str) -> str | None:
+    """Why a Parquet id column's type cannot hold ids, or None: strings or integers, as JSON ids."""
+    values = t.value_type if pa.types.is_dictionary(t) else t
+    if (pa.types.is_string(values) or pa.types.is_large_string(values) or pa.types.is_string_view(values)
+            or pa.types.is_integer(values)):
+        return None
+    return f"id column {col!r} has type {t}; ids must be strings or integers: name another column with --id-column"
+
+
 def clip(texts: list[str | None], limit: int) -> int:
     """Keep the tail of texts longer than `limit`; how many were cut."""
     n = 0

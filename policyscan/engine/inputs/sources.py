@@ -28,6 +28,7 @@ from policyscan.engine.inputs.rows import (  # noqa: F401
     ReadSpec,
     clip,
     conversation,
+    id_type_error,
     pick_column,
 )
 
@@ -75,6 +76,8 @@ def parquet_layout(path: Path, spec: ReadSpec) -> ParquetLayout:
     for c in ([id_col] if id_col else []) + list(spec.keep):
         if c not in schema.names:
             raise InputError(f"{path}: no column {c!r}; it has {schema.names}")
+    if id_col and (bad := id_type_error(schema.field(id_col).type, id_col)):
+        raise InputError(f"{path}: {bad}")
     type_error = None if is_messages else _text_type_error(schema.field(col).type, col)
     wanted = tuple(dict.fromkeys([col] + ([id_col] if id_col else []) + list(spec.keep)))
     return ParquetLayout(pf, col, is_messages, id_col, type_error, wanted)
@@ -86,8 +89,13 @@ def layout_chunk(path: Path, row: int, batches: list[pa.RecordBatch], lay: Parqu
     table = pa.Table.from_batches(batches)
     values = table.column(lay.column).to_pylist()
     pairs = [(None, lay.type_error) if lay.type_error else conversation(v, lay.is_messages, render) for v in values]
-    texts = [t for t, _ in pairs]
     ids = table.column(lay.id_column).combine_chunks() if lay.id_column else _row_names(path, row, len(values))
+    if ids.null_count:  # a row whose id is null names no conversation in the output: its row's error
+        null_id = (f"null id (column {lay.id_column!r}); give every row an id, or name another column with "
+                   "--id-column")
+        pairs = [(None, e or null_id) if missing else (t, e) for (t, e), missing in
+                 zip(pairs, ids.is_null().to_pylist())]
+    texts = [t for t, _ in pairs]
     keep = {k: table.column(k).combine_chunks() for k in spec.keep}
     return Chunk(str(path), row, ids, texts, [e for _, e in pairs], None, keep, clip(texts, spec.max_chars))
 
