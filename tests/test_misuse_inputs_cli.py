@@ -70,3 +70,18 @@ def test_inspect_lists_a_folder_of_policy_bundles():
     got = json.loads(run("inspect", SAMPLE / "policies").output)
     assert [p["policy"] for p in got["policies"]] == ["investment_advice", "pii"]
     assert all(p["adapter_sha256"] and p["lora_ranks"] for p in got["policies"])
+
+
+def test_text_is_rendered_on_a_messages_column_is_a_usage_error(tmp_path):
+    """The flag declares text columns of rendered prompts; a messages column, named or found, would ignore it."""
+    src = tmp_path / "chats.jsonl"
+    src.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    out = tmp_path / "o.parquet"
+    for extra in ((), ("--messages-column", "messages")):
+        res = run("score", src, "-o", out, "--text-is-rendered", "--chat-template", "plain", *extra, ok=(2,))
+        assert f"--text-is-rendered declares text columns of prompts rendered with their markup, but {src} holds its " \
+               "conversations in a messages column" in " ".join(res.output.split())
+        assert not out.exists()
+    text = tmp_path / "texts.jsonl"
+    text.write_text(json.dumps({"id": "b", "text": "user: hi"}) + "\n")
+    assert "rows in 1 = scored 1" in run("score", text, "-o", out, "--text-is-rendered", "--no-progress").output

@@ -80,7 +80,7 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
     else:
         spec = ReadSpec(text_column, messages_column, id_column, max_chars=clip_chars(max_length))
         model_dir = Path(model or default_model())
-        template = resolve_chat_template(model_dir, chat_template, [policy], files, spec)
+        template = resolve_chat_template(model_dir, chat_template, [policy], files, spec, text_is_rendered)
         settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
                                   chat_template=template, text_is_rendered=text_is_rendered, threads=threads,
                                   fp8_flip_limit=fp8_flip_limit)

@@ -113,9 +113,15 @@ def conversation_options(f):
 
 
 def resolve_chat_template(model_dir: Path, choice: str | None, policies: list, files: list[Path],
-                          spec: ReadSpec) -> str | None:
+                          spec: ReadSpec, text_is_rendered: bool = False) -> str | None:
     """--chat-template made absolute (the metadata records it; verify reruns from anywhere), after checking,
-    before anything loads, that it names a template and that every input with a messages column has one."""
+    before anything loads, that it names a template, that every input with a messages column has one, and that
+    --text-is-rendered (which a messages column would ignore) meets text columns only."""
+    if text_is_rendered and (messages := next((f for f in files if _has_messages(f, spec)), None)):
+        raise click.UsageError(f"--text-is-rendered declares text columns of prompts rendered with their markup, "
+                               f"but {messages} holds its conversations in a messages column, which the chat "
+                               "template renders: drop --text-is-rendered, or name the text column with "
+                               "--text-column")
     try:
         template = choose_template(model_dir, read_tokenizer_config(model_dir), choice, policies)
     except TemplateChoiceError as e:

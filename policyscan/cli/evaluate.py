@@ -102,7 +102,7 @@ def evaluate(labeled, policy_dirs, label_column, from_scores, target_recall, tar
         scores = [p.calibrate_np(d.f) if d.score == "f" else d.f for p, d in zip(policies, data)]
     else:
         spec = ReadSpec(text_column, messages_column, id_column, max_chars=clip_chars(max_length))
-        template = resolve_chat_template(model_dir, chat_template, policies, files, spec)
+        template = resolve_chat_template(model_dir, chat_template, policies, files, spec, text_is_rendered)
         settings = EngineSettings(device, precision, batch_tokens, max_length, cuda_graphs=cuda_graphs,
                                   chat_template=template, text_is_rendered=text_is_rendered, threads=threads,
                                   fp8_flip_limit=fp8_flip_limit)

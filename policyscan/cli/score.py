@@ -128,7 +128,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
         check_keep(keep, id_column, output_columns([p.name for p in pols], layout, raw, flagged, truncation))
         jobs = plan_jobs(named, output, per_input, fmt, errors_path)
         check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
-        resolve_chat_template(model_dir, chat_template, pols, files, spec)
+        resolve_chat_template(model_dir, chat_template, pols, files, spec, text_is_rendered)
         length_note = _length_note(model_dir, settings)  # config.json read now: not after outputs are written
         if ray_address is not None:
             from policyscan.ray.run import score_on_ray

@@ -79,7 +79,8 @@ def train(labeled, policy_dir, model, label_column, text_column, messages_column
     files = input_files(list(labeled))
     spec = ReadSpec(text_column, messages_column, id_column, max_chars=clip_chars(max_length))
     model_dir = Path(model or default_model())
-    template = resolve_chat_template(model_dir, chat_template, [load_policy(policy_dir)], files, spec)
+    template = resolve_chat_template(model_dir, chat_template, [load_policy(policy_dir)], files, spec,
+                                     text_is_rendered)
     job = TrainJob(model_dir, policy_dir, tuple(files), spec,
                    Path(errors_path) if errors_path else policy_dir.with_name(policy_dir.name + ".train-errors.jsonl"),
                    LoraSpec(rank, alpha if alpha is not None else 2.0 * rank, LoraSpec.parse_targets(targets), rslora),
