@@ -106,7 +106,7 @@ def test_the_chosen_threshold_sits_in_the_gap_below_the_cut_point():
     y = np.array([0, 0, 0, 1, 1, 1], dtype=bool)
     assert choose(p, y, Target("max_f1")).threshold == pytest.approx(0.5)
     assert choose(p, y, Target("recall", 1.0)).threshold == pytest.approx(0.5)
-    assert choose(p, np.ones(6, dtype=bool), Target("recall", 1.0)).threshold == pytest.approx(0.005)
+    assert choose(p, np.ones(6, dtype=bool), Target("recall", 1.0)).reason.startswith("no compliant rows")
     assert choose(p, np.zeros(6, dtype=bool), Target("recall", 0.5)).reason.startswith("no violations")
 
 
@@ -146,3 +146,14 @@ def test_verdicts_differ_lists_the_rows_that_cross_the_threshold():
     d = verdicts_differ(["a", "b", "c"], np.array([1, 0, 1], dtype=bool), np.array([0.6, 0.4, 0.9]),
                         np.array([0.4, 0.45, 0.95]), 0.5)
     assert d["rows"] == 1 and d["examples"][0]["id"] == "a" and d["max_abs_dp"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("kind,value", [("recall", 0.9), ("precision", 0.9), ("max_f1", None)])
+def test_rows_of_one_class_choose_no_threshold(kind, value):
+    """Violations alone meet any target at every cut point, and none alone meet none: neither can place a
+    threshold, and the reason names the class that is missing."""
+    p = np.array([0.9, 0.7, 0.4, 0.2])
+    target = Target(kind, value)
+    for y, missing in ((np.ones(4, bool), "no compliant rows"), (np.zeros(4, bool), "no violations")):
+        got = choose(p, y, target)
+        assert got.threshold is None and got.reason.startswith(missing), got

@@ -92,12 +92,15 @@ def choose(p: np.ndarray, y: np.ndarray, target: Target) -> Choice:
     flags), for a precision target the lowest (the most recall), for max_f1 the best F1 (the highest among ties).
     The threshold is placed midway between that p and the next lower p of the rows, which flags the same rows
     here, so a conversation scored a hair below the cut point is not lost on new data; it stays inside (0, 1), as
-    policy.json requires."""
+    policy.json requires. Rows of one class choose nothing: the reason says which class is missing."""
     y = np.asarray(y).astype(bool)
     t, tps, fps = ranked_counts(p, y)
     pos = int(y.sum())
     if pos == 0:
         return Choice(target, None, None, f"{NO_POSITIVES}: no threshold can be chosen for {target.describe()}")
+    if pos == len(y):  # every cut point "meets" the target, and nothing says how many compliant rows it flags
+        return Choice(target, None, None, f"{NO_NEGATIVES}: no threshold can be chosen for {target.describe()}, "
+                                          "since what it would flag among compliant conversations is unknown")
     if target.kind == "recall":
         k = int(np.argmax(tps >= target.value * pos - 1e-9 * pos))  # recall only grows as the threshold falls
     elif target.kind == "precision":
