@@ -119,6 +119,25 @@ def test_output_dir_keeps_the_archives_folders(tmp_path):
     assert not (tmp_path / "flat").exists() or not list((tmp_path / "flat").iterdir())
 
 
+def test_a_refused_output_dir_run_leaves_no_folders(tmp_path):
+    """-o DIR/'s folders are made once every check has passed: a run refused after the outputs were planned (here
+    --text-is-rendered on a messages column) makes none, and a folder that would have to be made through a file is
+    refused before anything is scored."""
+    arch = tmp_path / "archive" / "day=1"
+    arch.mkdir(parents=True)
+    (arch / "chats.jsonl").write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    out = tmp_path / "scores"
+    res = run("score", tmp_path / "archive", "-o", f"{out}/", "--text-is-rendered", "--chat-template", "plain",
+              "--no-progress", ok=(2,))
+    assert "--text-is-rendered" in res.output and not out.exists()
+    (tmp_path / "afile").write_text("x")
+    res = run("score", tmp_path / "archive", "-o", f"{tmp_path / 'afile' / 'sub'}/", "--chat-template", "plain",
+              "--no-progress", ok=(2,))
+    assert f"{tmp_path / 'afile'} is not a folder" in " ".join(res.output.split())
+    run("score", tmp_path / "archive", "-o", f"{out}/", "--chat-template", "plain", "--no-progress")
+    assert (out / "day=1" / "chats.scores.parquet").is_file()
+
+
 def test_output_dir_scores_a_new_output_before_the_model_hash(tmp_path, monkeypatch):
     """-o DIR: a file without an output is scored while the model is still being hashed (the run key, which
     needs the hash, is taken when the output is written); the next run finds it up to date."""

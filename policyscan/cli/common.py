@@ -211,6 +211,8 @@ def named_input_files(inputs: list[str]) -> list[tuple[Path, Path]]:
 
 def check_writable_dir(folder: Path, what: str) -> None:
     """Before any scoring: the folder an output goes to exists and takes new files."""
+    if folder.exists() and not folder.is_dir():
+        raise click.UsageError(f"{what}: {folder} is not a folder; write elsewhere")
     if not folder.is_dir():
         raise click.UsageError(f"{what}: folder {folder} does not exist; create it or write elsewhere")
     if not os.access(folder, os.W_OK | os.X_OK):

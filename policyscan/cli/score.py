@@ -29,7 +29,7 @@ from policyscan.cli.common import (
     resolve_chat_template,
     template_arg,
 )
-from policyscan.cli.targets import Job, check_jobs, output_format, plan_jobs
+from policyscan.cli.targets import Job, check_jobs, make_folders, output_format, plan_jobs
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.files import input_file_sha256, not_regular
 from policyscan.engine.inputs.rows import ReadSpec, clip_chars
@@ -127,9 +127,10 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
         pols = load_policies(list(bundles))
         check_keep(keep, id_column, output_columns([p.name for p in pols], layout, raw, flagged, truncation))
         jobs = plan_jobs(named, output, per_input, fmt, errors_path)
-        check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]))
+        check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]), folders_made_later=per_input)
         resolve_chat_template(model_dir, chat_template, pols, files, spec, text_is_rendered)
         length_note = _length_note(model_dir, settings)  # config.json read now: not after outputs are written
+        make_folders(jobs)
         if ray_address is not None:
             from policyscan.ray.run import score_on_ray
 

@@ -41,7 +41,8 @@ def output_format(output: str | None, fmt: str | None, per_input: bool) -> str:
 def plan_jobs(named: list[tuple[Path, Path]], output: str | None, per_input: bool, fmt: str,
               errors_path: str | None) -> list[Job]:
     """The outputs to write: one for all inputs, or with -o DIR/ one per input, at its name below the folder or
-    glob that found it (named_input_files), so an archive's folders are kept and its files need not be named apart."""
+    glob that found it (named_input_files), so an archive's folders are kept and its files need not be named apart.
+    Nothing is made here: make_folders, after the checks."""
     files = [f for f, _ in named]
     if not per_input:
         target = Path(output) if output else Path(f"{_stem(files[0]) if len(files) == 1 else 'scores'}.scores.{fmt}")
@@ -52,16 +53,23 @@ def plan_jobs(named: list[tuple[Path, Path]], output: str | None, per_input: boo
     if dup:
         raise PolicyscanError(f"inputs of the same name would share an output: {dup}; score them in separate runs "
                               "or into separate -o folders")
-    for folder in dict.fromkeys(t.parent for t in targets):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise click.UsageError(f"-o {output}: cannot create the folder {folder} ({e.strerror})") from e
     return [Job([f], t, _errors_for(t, None)) for f, t in zip(files, targets)]
 
 
-def check_jobs(jobs: list[Job], protected: dict[Path, str]) -> None:
-    """Before anything is scored: each output can be written and destroys nothing policyscan did not write."""
+def make_folders(jobs: list[Job]) -> None:
+    """-o DIR/'s folders, once every check has passed (check_jobs(..., folders_made_later=True)), so that a
+    refused run leaves none behind."""
+    for folder in dict.fromkeys(j.target.parent for j in jobs):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise click.UsageError(f"cannot create the output folder {folder} ({e.strerror})") from e
+
+
+def check_jobs(jobs: list[Job], protected: dict[Path, str], folders_made_later: bool = False) -> None:
+    """Before anything is scored: each output can be written and destroys nothing policyscan did not write.
+    folders_made_later (-o DIR/): an output's folder that is not there yet is made by make_folders, so the
+    nearest folder that is there must take new folders."""
     writes: list[tuple[Path, str]] = []
     for job in jobs:
         writes += [(job.target, "output"), (job.errors, "errors file")]
@@ -74,14 +82,24 @@ def check_jobs(jobs: list[Job], protected: dict[Path, str]) -> None:
     refuse_overwrites(writes, _existing(protected))
     _refuse_broken_links(writes, protected)
     for job in jobs:
-        check_writable_dir(job.target.parent, f"output {job.target}")
-        check_writable_dir(job.errors.parent, f"errors file {job.errors}")
+        check_writable_dir(_made_from(job.target.parent, folders_made_later), f"output {job.target}")
+        check_writable_dir(_made_from(job.errors.parent, folders_made_later), f"errors file {job.errors}")
         if job.target.is_file() and read_metadata(job.target) is None:
             raise click.UsageError(f"output {job.target} exists and is not a policyscan output; "
                                    "remove it or choose another -o")
         if job.errors.exists() and not is_errors_file(job.errors):
             raise click.UsageError(f"errors file {job.errors} exists and is not a policyscan errors file; "
                                    "remove it or choose another --errors")
+
+
+def _made_from(folder: Path, made_later: bool) -> Path:
+    """The folder a write needs now: `folder`, or where make_folders will start making it (the nearest path that is
+    there, a folder or not: check_writable_dir refuses it if it is no folder)."""
+    if not made_later:
+        return folder
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    return folder
 
 
 def _names_a_file(path: Path) -> bool:
