@@ -115,8 +115,41 @@ def test_gzip_and_truncated_gzip(tmp_path):
     assert len(rows(p)) == 2000
     cut = tmp_path / "cut.jsonl.gz"
     cut.write_bytes(p.read_bytes()[:3000])
-    with pytest.raises(PartialFileError, match="cut.jsonl.gz: unreadable after line"):
+    with pytest.raises(PartialFileError, match=r"cut.jsonl.gz: ends after line \d+, before its gzip data does .*: it "
+                                               "is truncated"):
         rows(cut)
+
+
+def test_damaged_gzip_data_scores_no_row_of_the_file(tmp_path):
+    """gzip checks a member's CRC only at its end, after the lines decoded from it: a flipped byte (here in the second
+    of two members, then in the only one) makes the whole file its error before any row is read. Bytes that are not
+    gzip after intact members cost nothing that was read, and say so; zeros after them are padding."""
+    good = gzip.compress("".join(json.dumps({"id": i, "text": f"conversation {i} " * 10}) + "\n"
+                                 for i in range(1000)).encode())
+    p = tmp_path / "a.jsonl.gz"
+    p.write_bytes(good + good)
+    assert len(rows(p)) == 2000  # two members read as one file
+    for data in (good + _flipped(good), _flipped(good)):
+        p.write_bytes(data)
+        chunks = read_chunks(p, ReadSpec(chunk_rows=10), render)
+        with pytest.raises(InputError, match=r"a.jsonl.gz: its gzip data is damaged \(.*\); no row of it can be "
+                                             "trusted, so none is scored"):
+            next(chunks)
+    p.write_bytes(good + b"\0" * 64)
+    assert len(rows(p)) == 1000
+    p.write_bytes(good + b"appended by mistake")
+    got = []
+    with pytest.raises(PartialFileError, match=r"the bytes after line 1000 are not gzip data .* the lines before "
+                                               "them were read"):
+        for c in read_chunks(p, ReadSpec(chunk_rows=100), render):
+            got += c.texts
+    assert len(got) == 1000
+
+
+def _flipped(data: bytes) -> bytes:
+    bad = bytearray(data)
+    bad[len(data) // 2] ^= 0x55
+    return bytes(bad)
 
 
 def test_huge_row_is_clipped_not_dropped(tmp_path):

@@ -11,6 +11,7 @@ import re
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow as pa
 
@@ -68,7 +69,36 @@ def parse_line(line: str) -> tuple[dict | None, str | None]:
 
 
 def read_jsonl(path: Path, spec: ReadSpec, render: Callable[[list], str]) -> Iterator[Chunk]:
+    """A gzipped file is checked whole first (gzip_damage): its checksum is read only at its end, after every line."""
+    if path.name.endswith(".gz"):
+        with open_regular(path) as raw:
+            if (why := gzip_damage(raw)) is not None:
+                raise InputError(f"{path}: {why}; no row of it can be trusted, so none is scored: replace it with an "
+                                 "intact copy")
     yield from _chunks(path, spec, render, parsed_lines(path), _spec_column(spec))
+
+
+def gzip_damage(raw: BinaryIO) -> str | None:
+    """Why a gzip file's data cannot be trusted (a member whose checksum or length fails, or deflate data that is
+    not valid), or None. It reads the file once, keeping nothing: a flipped byte would otherwise show only at the
+    member's end, after the rows decoded from it were scored. A file that ends early, or holds bytes that are not
+    gzip after its members, is not damaged in this sense: the reader scores what it read and names the rest."""
+    d = zlib.decompressobj(wbits=31)  # gzip framing: the CRC-32 and length of each member are checked
+    while buf := raw.read(1 << 22):
+        while buf:
+            try:
+                d.decompress(buf, 1 << 24)  # bounded output: 1 MB of input can inflate to 1 GB
+                while d.unconsumed_tail:
+                    d.decompress(d.unconsumed_tail, 1 << 24)
+            except zlib.error as e:
+                return f"its gzip data is damaged ({e})"
+            buf = b""
+            if d.eof:  # a member ended: another may follow; anything else is trailing bytes
+                rest = d.unused_data
+                if not rest.startswith(b"\x1f\x8b"):
+                    return None
+                d, buf = zlib.decompressobj(wbits=31), rest
+    return None
 
 
 def read_jsonl_range(path: Path, spec: ReadSpec, render: Callable[[list], str], start: int, end: int,
@@ -121,10 +151,20 @@ def _chunks(path: Path, spec: ReadSpec, render: Callable[[list], str], lines: It
             picked = picked or _pick(spec, pending, path)
             yield _chunk(path, row, pending, picked, spec, render)
             row += len(pending)
-        raise PartialFileError(f"{path}: unreadable after line {line_no} ({e}); is it truncated?", row, None) from e
+        raise PartialFileError(f"{path}: {_unreadable(e, line_no)}", row, None) from e
     if pending:
         picked = picked or _pick(spec, pending, path)
         yield _chunk(path, row, pending, picked, spec, render)
+
+
+def _unreadable(e: BaseException, line_no: int) -> str:
+    """What stopped the read after line `line_no`, said as what the file is."""
+    if isinstance(e, EOFError):
+        return f"ends after line {line_no}, before its gzip data does ({e}): it is truncated"
+    if isinstance(e, gzip.BadGzipFile) and str(e).startswith("Not a gzipped file"):
+        return (f"the bytes after line {line_no} are not gzip data ({e}), as if something was appended to the "
+                "file; the lines before them were read")
+    return f"unreadable after line {line_no} ({e}); is it truncated or damaged?"
 
 
 def _range_lines(path: Path, start: int, end: int, first_line: int) -> Iterator[tuple[Parsed, int]]:
