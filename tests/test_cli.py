@@ -261,3 +261,19 @@ def test_progress_bar_on_a_terminal(tmp_path, monkeypatch, sample_slice):
     monkeypatch.setattr(score_cmd, "_is_terminal", lambda: True)
     res = run("score", sample_slice["jsonl"], "-o", tmp_path / "o.parquet")
     assert f"{sample_slice['rows']} rows" in res.output and "tok/s" in res.output
+
+
+def test_the_summary_says_which_policies_are_uncalibrated(tmp_path):
+    """A policy.json without calibration scores p = sigmoid(f), the model's own softmax over the two labels: the
+    summary says so beside its flag count, and only there."""
+    pols = tmp_path / "policies"
+    shutil.copytree(SAMPLE / "policies", pols)
+    meta = json.loads((pols / "pii" / "policy.json").read_text())
+    del meta["calibration"]
+    (pols / "pii" / "policy.json").write_text(json.dumps(meta))
+    src = tmp_path / "a.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "user: hi"}) + "\n")
+    out = run("score", src, "-o", tmp_path / "o.parquet", "--policies", pols, "--no-progress").output
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if "above threshold" in ln}
+    assert "(uncalibrated: policy.json holds no calibration, so p = sigmoid(f))" in lines["pii"]
+    assert "uncalibrated" not in lines["investment_advice"]

@@ -259,7 +259,8 @@ def _length_note(model_dir: Path, settings: EngineSettings) -> list[str]:
 
 def _summary(policies: list[Policy], acc: Accounting, notes: list[str], capped: list[str]) -> None:
     """The row accounting, then `notes` (where the time went, a worker's death) and, when a prompt was cut,
-    `capped` (what bound it: the metadata's max_length records it in every run), then each policy's flag count."""
+    `capped` (what bound it: the metadata's max_length records it in every run), then each policy's flag count,
+    saying so where a policy is uncalibrated (its p is then the model's own two-label softmax)."""
     tps = acc.prompt_tokens / acc.seconds if acc.seconds else 0.0
     check = "balanced" if acc.balanced else "NOT BALANCED"
     lines = [f"rows in {acc.rows_in} = scored {acc.rows_scored} + in errors {acc.rows_in_errors} ({check})"]
@@ -274,7 +275,8 @@ def _summary(policies: list[Policy], acc: Accounting, notes: list[str], capped: 
     for p in policies:
         n = acc.above_threshold.get(p.name, 0)
         share = n / acc.rows_scored if acc.rows_scored else 0.0
-        lines.append(f"  {p.name}: {n} of {acc.rows_scored} above threshold {p.threshold} ({share:.1%})")
+        uncalibrated = "" if p.calibration else " (uncalibrated: policy.json holds no calibration, so p = sigmoid(f))"
+        lines.append(f"  {p.name}: {n} of {acc.rows_scored} above threshold {p.threshold} ({share:.1%}){uncalibrated}")
     click.echo("\n".join(lines))
 
 
