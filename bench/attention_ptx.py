@@ -1,14 +1,15 @@
-"""The attention kernel's tiles compiled for the H100/H200 (sm_90a) on any machine, no GPU needed: for each tile the
-matrix instructions ptxas gets (wgmma shape, and whether A comes from registers, RS, or shared memory, SS), registers
-a thread, spilled bytes, shared memory, programs an SM, and the shared-memory bytes each key block reads and writes.
+"""The attention kernel's tiles compiled for the H100/H200 (sm_90a) on any machine, no GPU needed: registers a thread,
+spilled bytes, shared memory, programs an SM, and, read off the machine code of the loop over key blocks that needs no
+mask (where long sequences spend their time), what one key block costs: its matrix instructions (wgmma shape, A from
+shared memory, SS, or registers, RS), the bytes it reads from and writes to shared memory, the exponentials, and all
+instructions.
 
-    python bench/attention_ptx.py                  # the shipped tile and the q_regs variants, W1's and W5's heads
-    python bench/attention_ptx.py --groups 4       # W5's group only
+    python bench/attention_ptx.py                  # the shipped tile and the tiles bench/gemm_table.py --sweep times
+    python bench/attention_ptx.py --groups 4       # W5's group only (W1's is 3)
 
-It reads what costs no device time (docs/performance.md, "Tried and not kept" and "Not measured yet"): Triton stages a
-dot operand that comes straight from a load in shared memory, so at the shipped tile q k^T reads q there again for
-every key block; tuning.attention_tiles' q_regs passes q through a select, and the product reads it from registers.
-Timings and bits need the GPU: bench/gemm_table.py --sweep."""
+An SM's tensor cores do about 4096 bf16 FLOP a clock and its shared memory moves 128 bytes, so a tile that moves more
+than 1 byte of shared memory for every 32 FLOP waits on it before the products do. Times and bits need the GPU:
+bench/gemm_table.py --sweep."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -29,75 +31,97 @@ KERNEL = attention._attn_kernel  # the kernel varlen_attention launches, compile
 SCALARS = {"scale": "fp32", "window": "i32", "B": "i32", "stride_t": "i32", "stride_ot": "i32", "stride_pre": "i32",
            "K_COL": "i32", "V_COL": "i32", "stride_am": "i32", "cap": "fp32"}
 ALIGNED = ("qkv_ptr", "o_ptr", "stride_t", "stride_ot", "K_COL", "V_COL")  # as Triton specializes W1's and W5's
-REGISTERS, SHARED = 65536, 232448  # an SM's registers and shared memory a program may take (H100, H200)
+REGISTERS, SHARED = 65536, 232448  # an SM's registers, and the shared memory a program may take (H100, H200)
 D = 128
+SWEPT = [(64, 4, 64, 2, None), (64, 4, 64, 3, 168), (128, 8, 32, 2, None), (128, 8, 64, 2, None),
+         (128, 8, 64, 3, None), (128, 8, 128, 2, None), (64, 4, 128, 2, None)]  # gemm_table's --sweep
 
 
-def tiles(G: int) -> list[dict]:
-    """The shipped tile, then q_regs at the shipped tile and at the larger tiles the sweep times."""
-    shipped = attention_tiles(G, D, False)
-    q = dict(q_regs=True, maxnreg=None)
-    return [shipped, {**shipped, **q, "maxnreg": 168}, {**shipped, **q, "BN": 64},
-            {**shipped, **q, "BQ": 128 // G, "num_warps": 8}, {**shipped, **q, "BQ": 128 // G, "BN": 64, "num_warps": 8}]
-
-
-def compile_tile(G: int, cfg: dict) -> dict:
-    """Compile one tile of the full (not last-only) bf16 kernel, no prefix, and read ptxas' report."""
+def compile_tile(G: int, cfg: dict) -> tuple[str, str, int]:
+    """The full (not last-only) bf16 kernel without a prefix at this tile: (ptxas' report, the SASS, the shared
+    memory a program takes)."""
     BQ = cfg["BQ"]
     const = dict(D=D, LAST_ONLY=False, HAS_PREFIX=False, AMAX=False, G=G, BQ=BQ, QP=triton.next_power_of_2(BQ),
-                 BR=max(16, triton.next_power_of_2(BQ * G)), BN=cfg["BN"], BD=D, PREC="tf32", SOFTCAP=False, LIB=True,
-                 Q_REGS=cfg["q_regs"])
+                 BR=max(16, triton.next_power_of_2(BQ * G)), BN=cfg["BN"], BD=D, PREC="tf32", SOFTCAP=False, LIB=True)
     names = KERNEL.arg_names
-    sig = {n: ("constexpr" if n in const else SCALARS.get(n, "*fp32" if n == "amax_ptr" else
-                                                          "*bf16" if n.endswith(("qkv_ptr", "o_ptr", "pre_ptr"))
-                                                          else "*i32")) for n in names}
+    pointer = {"qkv_ptr": "*bf16", "o_ptr": "*bf16", "pre_ptr": "*bf16", "amax_ptr": "*fp32"}
+    sig = {n: "constexpr" if n in const else SCALARS.get(n, pointer.get(n, "*i32")) for n in names}
     src = ASTSource(fn=KERNEL, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in ALIGNED})
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
         opts["maxnreg"] = cfg["maxnreg"]
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    ptx, smem = compiled.asm["ptx"], compiled.metadata.shared
-    forms: dict[str, int] = {}
-    for shape, a in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\S*\s+\{[^}]*\},\s*(\{|%rd)", ptx):
-        key = f"{shape} {'RS' if a == '{' else 'SS'}"
-        forms[key] = forms.get(key, 0) + 1
+    ptx = compiled.asm["ptx"]
     ptxas = get_ptxas(90).path  # the ptxas Triton itself assembles sm_90a with
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.ptx"), "w") as f:
+            f.write(ptx)
         cap = [f"--maxrregcount={cfg['maxnreg']}"] if cfg.get("maxnreg") else []
-        report = subprocess.run([ptxas, *cap, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+        report = subprocess.run([ptxas, *cap, "-v", "--gpu-name=sm_90a", f.name, "-o", os.path.join(d, "k.cubin")],
                                 capture_output=True, text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", report).group(1))
-    spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    threads = 32 * cfg["num_warps"]
-    per_sm = min(REGISTERS // (threads * ((regs + 7) // 8 * 8)), SHARED // max(smem, 1), 64 // cfg["num_warps"])
-    # a key block: k and v written by cp.async once a program; k and v read by each warpgroup's products, and q too
-    # where q k^T's A operand sits in shared memory
-    groups = cfg["num_warps"] // 4
-    q_bytes = 0 if any(k.endswith("RS") and k.startswith("m64n" + str(cfg["BN"])) for k in forms) else 64 * D * 2
-    kv = cfg["BN"] * D * 2
-    moved = 2 * kv + groups * (2 * kv + q_bytes)
-    flops = 4 * 64 * groups * cfg["BN"] * D
-    return dict(regs=regs, spill=spill, smem=smem, per_sm=per_sm, forms=forms, bytes_per_flop=moved / flops)
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True, check=True).stdout
+    return report, sass, compiled.metadata.shared
+
+
+def first_loop(sass: str) -> list[str]:
+    """The instructions of the first loop (the first backward branch): the key blocks that need no mask."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    for at, ins in code:
+        if (t := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)) and int(t.group(1), 16) < at:
+            return [i for a, i in code if int(t.group(1), 16) <= a <= at]
+    raise ValueError("no loop in the kernel's machine code")
+
+
+def key_block(loop: list[str], warps: int) -> dict:
+    """What one trip through the loop costs a program: FLOPs, shared-memory bytes read and written (wgmma operands
+    read once a warpgroup; ldmatrix, ld.shared, st.shared and cp.async counted per warp), exponentials."""
+    groups = warps // 4
+    flops = read = written = 0
+    forms: Counter = Counter()
+    width = {"": 4, "64": 8, "128": 16, "U16": 2, "U8": 1}
+    for ins in loop:
+        op = re.sub(r"^@!?U?P\w+\s+", "", ins.strip())
+        if m := re.match(r"HGMMA\.64x(\d+)x16\.F32\.BF16\s+R\d+,\s*(\S+)", op):
+            n, a_regs = int(m.group(1)), m.group(2).startswith("R")
+            forms[f"m64n{n}k16 {'RS' if a_regs else 'SS'}"] += 1
+            flops += 2 * 64 * n * 16 * groups
+            read += (n * 16 * 2 + (0 if a_regs else 64 * 16 * 2)) * groups
+        elif m := re.match(r"LDSM\.16\.M(?:T)?88(?:\.(\d))?", op):
+            read += 128 * int(m.group(1) or 1) * warps
+        elif m := re.match(r"LDS(?:\.(64|128|U16|U8))?\b", op):
+            read += 32 * width[m.group(1) or ""] * warps
+        elif m := re.match(r"STS(?:\.(64|128|U16|U8))?\b", op):
+            written += 32 * width[m.group(1) or ""] * warps
+        elif m := re.match(r"LDGSTS\.\S*?(\d+)\s", op + " "):
+            written += 32 * int(m.group(1)) // 8 * warps
+    mufu = sum(1 for i in loop if "MUFU.EX2" in i)
+    return dict(flops=flops, read=read, written=written, forms=forms, ex2=mufu, instructions=len(loop))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", default="3,4", help="query heads a key/value head: W1 3, W5 4")
     args = ap.parse_args()
-    print(f"{'G':>2} {'rows':>4} {'BN':>3} {'warps':>5} {'maxnreg':>7} {'q_regs':>6} {'regs':>4} {'spill':>5} "
-          f"{'smem KB':>7} {'per SM':>6} {'smem B/FLOP':>11}  wgmma")
+    print(f"{'G':>2} {'rows':>4} {'BN':>3} {'warps':>5} {'stages':>6} {'maxnreg':>7} {'regs':>4} {'spill':>5} "
+          f"{'per SM':>6} {'read KB':>7} {'written KB':>10} {'FLOP/byte':>9} {'ex2':>4} {'instr':>5}  wgmma a key block")
     for G in (int(g) for g in args.groups.split(",")):
-        for cfg in tiles(G):
-            r = compile_tile(G, cfg)
-            forms = ", ".join(f"{k} x{n}" for k, n in sorted(r["forms"].items()))
-            print(f"{G:>2} {cfg['BQ'] * G:>4} {cfg['BN']:>3} {cfg['num_warps']:>5} {cfg.get('maxnreg') or '-':>7} "
-                  f"{str(cfg['q_regs']):>6} {r['regs']:>4} {r['spill']:>5} {r['smem'] / 1024:>7.0f} {r['per_sm']:>6} "
-                  f"{'1/%.0f' % (1 / r['bytes_per_flop']):>11}  {forms}")
-    print("\nAn SM's tensor cores do about 4096 bf16 FLOP a clock and its shared memory moves 128 bytes: a tile above "
-          "1/32 byte a FLOP waits on shared memory before the products.")
+        shipped = attention_tiles(G, D, False)
+        for cfg in [shipped] + [dict(BQ=max(1, r // G), BN=bn, num_warps=w, num_stages=s, maxnreg=mr)
+                                for r, w, bn, s, mr in SWEPT]:
+            report, sass, smem = compile_tile(G, cfg)
+            regs = int(re.search(r"Used (\d+) registers", report).group(1))
+            spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+            threads = 32 * cfg["num_warps"]
+            per_sm = min(REGISTERS // (threads * ((regs + 7) // 8 * 8)), SHARED // max(smem, 1),
+                         64 // cfg["num_warps"])
+            kb = key_block(first_loop(sass), cfg["num_warps"])
+            forms = ", ".join(f"{k} x{n}" for k, n in sorted(kb["forms"].items()))
+            print(f"{G:>2} {cfg['BQ'] * G:>4} {cfg['BN']:>3} {cfg['num_warps']:>5} {cfg['num_stages']:>6} "
+                  f"{cfg.get('maxnreg') or '-':>7} {regs:>4} {spill:>5} {per_sm:>6} {kb['read'] / 1024:>7.0f} "
+                  f"{kb['written'] / 1024:>10.0f} {kb['flops'] / (kb['read'] + kb['written']):>9.1f} {kb['ex2']:>4} "
+                  f"{kb['instructions']:>5}  {forms}" + ("  (shipped)" if cfg is shipped else ""))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ against the kernel behind torch SDPA's flash backend (FlashAttention-2's varlen 
 
 Per GEMM: cuBLAS's time for the bare product, the fused kernel lora_gemm picks (its LoRA expand, SiLU-and-mul or
 residual included, so cuBLAS does less work), the Triton kernel alone, and whether the two kernels gave the same
-bits (they must: lora_gemm picks between them by M). --sweep also times attention tiles (tuning.attention_tiles),
-q read from registers among them, and says whether a tile with the shipped key block gives the shipped tile's bits;
+bits (they must: lora_gemm picks between them by M). --sweep also times attention tiles (tuning.attention_tiles) and
+says whether a tile with the shipped key block gives the shipped tile's bits;
 --dense adds equal-length batches, where cuDNN's fused attention (SDPA's cuDNN backend) runs as well."""
 from __future__ import annotations
 
@@ -131,14 +131,12 @@ def attention_rows(name: str, tokens: int, sweep: bool, length: int | None = Non
     if sweep:
         G = H // Hkv
         shipped = varlen_attention(qkv, cu, att, scale)
-        # rows, warps, key block, stages, register cap, q from registers (tuning.attention_tiles' q_regs;
-        # bench/attention_ptx.py gives each tile's registers and matrix instructions without a GPU)
-        for r, nw, bn, ns, mr, qr in [(64, 4, 32, 2, 128, False), (64, 4, 64, 2, None, False), (64, 4, 64, 3, 168, False),
-                                      (128, 8, 32, 2, None, False), (128, 8, 64, 2, None, False),
-                                      (128, 8, 64, 3, None, False), (128, 8, 128, 2, None, False),
-                                      (64, 4, 128, 2, None, False), (64, 4, 32, 2, 168, True), (64, 4, 64, 2, None, True),
-                                      (128, 8, 32, 2, None, True), (128, 8, 64, 2, None, True)]:
-            c = dict(BQ=max(1, r // G), BN=bn, num_warps=nw, num_stages=ns, maxnreg=mr, q_regs=qr)
+        # rows, warps, key block, stages, register cap (bench/attention_ptx.py gives each tile's registers and
+        # shared-memory traffic without a GPU)
+        for r, nw, bn, ns, mr in [(64, 4, 32, 2, 128), (64, 4, 64, 2, None), (64, 4, 64, 3, 168), (128, 8, 32, 2, None),
+                                  (128, 8, 64, 2, None), (128, 8, 64, 3, None), (128, 8, 128, 2, None),
+                                  (64, 4, 128, 2, None)]:
+            c = dict(BQ=max(1, r // G), BN=bn, num_warps=nw, num_stages=ns, maxnreg=mr)
             out = torch.full_like(shipped, float("nan"))  # poisoned: a row the config does not write shows
             try:
                 t = timed(lambda: varlen_attention(qkv, cu, att, scale, config=c, out=out))

@@ -230,29 +230,6 @@ def _check_varlen_attention(device, window, last_only, shape):
     check(out, same, ref64, f"attention {shape} window={window} last_only={last_only} {dtype}")
 
 
-@pytest.mark.parametrize("device", [CPU, GPU])
-def test_attention_with_q_in_registers_gives_the_same_rows(device):
-    """tuning.attention_tiles' q_regs (q k^T reading q from registers, not shared memory) at the default tile: the
-    same bits, since only where q sits changes, and within the twin's error of fp64. Outputs poisoned first."""
-    from policyscan.kernels.tuning import attention_tiles
-    g = gen()
-    lengths, dtype = ([1, 7, 33, 0, 64, 20], torch.float32) if device == "cpu" else \
-        ([1, 700, 257, 64, 0, 1500, 3, 130], torch.bfloat16)
-    for shape in CPU_ATTN_SHAPES if device == "cpu" else GPU_ATTN_SHAPES:
-        H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
-        qkv = torch.randn(sum(lengths), (H + 2 * Hkv) * D, generator=g).to(dtype).to(device)
-        args = (packed(lengths, device), shape, D ** -0.5)
-        cfg = attention_tiles(H // Hkv, D, device == "cpu")
-        outs = []
-        for q_regs in (False, True):
-            out = torch.full((sum(lengths), H * D), float("nan"), dtype=dtype, device=device)
-            c = dict(cfg, q_regs=q_regs, maxnreg=168 if q_regs and cfg.get("maxnreg") else cfg.get("maxnreg"))
-            outs.append(varlen_attention(qkv, *args, out=out, config=c))
-        assert torch.equal(outs[0], outs[1]), f"{shape}: q from registers moved bits"
-        check(outs[1], reference.varlen_attention(qkv, *args), reference.varlen_attention(qkv.double(), *args),
-              f"attention, q in registers, {shape} {dtype}")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("residual,bias,silu", [(False, False, False), (True, False, False), (False, True, True)])

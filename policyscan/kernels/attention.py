@@ -83,7 +83,6 @@ def _attn_kernel(
     D: tl.constexpr, LAST_ONLY: tl.constexpr, HAS_PREFIX: tl.constexpr, AMAX: tl.constexpr,
     G: tl.constexpr, BQ: tl.constexpr, QP: tl.constexpr, BR: tl.constexpr,
     BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr, LIB: tl.constexpr,
-    Q_REGS: tl.constexpr,
 ):
     pid, kvh = tl.program_id(0), tl.program_id(1)
     if LAST_ONLY:
@@ -125,13 +124,7 @@ def _attn_kernel(
     q0 = n_keys - n_q + mblk * BQ  # position of the block's first query, prefix included
     qpos = q0 + qi
     q_rows = qkv_ptr + (start + qpos - P) * stride_t + h * D
-    q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_rows[:, None] + rd[None, :], mask=q_mask, other=0.0)
-    if Q_REGS:
-        # The same values through a select: Triton then feeds q k^T from registers (wgmma's RS form), where q
-        # straight from a load is staged in shared memory and read again by every key block
-        # (bench/attention_ptx.py shows the form).
-        q = tl.where(q_mask, q, 0.0)
+    q = tl.load(q_rows[:, None] + rd[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full((BR,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BR,), dtype=tl.float32)
     acc = tl.zeros((BR, BD), dtype=tl.float32)
@@ -176,8 +169,8 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
                      row_amax: bool = False, softcap: float | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
-    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, maxnreg, q_regs)
-    overrides tuning.attention_tiles (bench/sweep.py, bench/gemm_table.py --sweep); row_amax: also return each row's max |out| per key/value head
+    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, maxnreg)
+    overrides tuning.attention_tiles (bench/sweep.py); row_amax: also return each row's max |out| per key/value head
     group [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax)."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = qkv.shape[0]
@@ -227,7 +220,7 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, AMAX=row_amax, G=G, BQ=BQ,
         QP=triton.next_power_of_2(BQ), BR=max(16, triton.next_power_of_2(BQ * G)), BN=BN,
         BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32",
-        SOFTCAP=softcap is not None, LIB=not interpret, Q_REGS=cfg["q_regs"],
+        SOFTCAP=softcap is not None, LIB=not interpret,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return (out, amax) if row_amax else out

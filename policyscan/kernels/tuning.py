@@ -130,19 +130,13 @@ def attention_tiles(G: int, D: int, interpret: bool) -> dict:
     heads keep 3 stages and 168. Heads wider than 128 do not fit 4 warps' registers: 8 warps. Rescaling the
     accumulator only when a row maximum grows past 2^8 (FlashAttention-4's lazy rescale: a block-wide branch) lost
     end to end; exp2 as ex2.approx.ftz changed nothing (docs/performance.md).
-
-    q_regs: q k^T reads q from registers instead of shared memory. At the shipped tile the products read q
-    (16 KB a key block) as well as k and v (8 KB each) from shared memory, which the FlashAttention-style drafts
-    found saturated; from registers q needs 165 registers a thread, so maxnreg 168 (bench/attention_ptx.py). Off:
-    its time and bits on the GPU are not measured yet (docs/performance.md).
     """
     if interpret:
-        return dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1, q_regs=False)
+        return dict(BQ=max(1, 16 // G), BN=16, num_warps=4, num_stages=1)
     if D > 128:  # Gemma 3's 256-wide heads: a 64-row accumulator needs 8 warps' registers, uncapped
-        return dict(BQ=max(1, 64 // G), BN=32, num_warps=8, num_stages=2, q_regs=False)
+        return dict(BQ=max(1, 64 // G), BN=32, num_warps=8, num_stages=2)
     wide = D >= 128
-    return dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=2 if wide else 3, maxnreg=128 if wide else 168,
-                q_regs=False)
+    return dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=2 if wide else 3, maxnreg=128 if wide else 168)
 
 
 # --- head.py, rope.py ---
