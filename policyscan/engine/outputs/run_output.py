@@ -52,11 +52,12 @@ class Job:
             raise ValueError("a job needs at least one input")
 
 
-# Raised with every change that can move a score or a prompt's tokens, so that `-o DIR/` scores again what an
-# earlier policyscan wrote (2: SentencePiece-style tokenizers encode the pieces after the prefix as they follow
-# other text; the CPU path's LoRA shrink is a GEMM; 3: special-token strings in conversation text encode as text;
-# 4: a prompt is cut at the model's max_position_embeddings when --max-length is more).
-SCORING_REVISION = 4
+# Raised with every change that can move a score or a prompt's tokens, or which rows are scored, so that `-o DIR/`
+# scores again what an earlier policyscan wrote (2: SentencePiece-style tokenizers encode the pieces after the
+# prefix as they follow other text; the CPU path's LoRA shrink is a GEMM; 3: special-token strings in conversation
+# text encode as text; 4: a prompt is cut at the model's max_position_embeddings when --max-length is more; 5: null
+# and ill-typed ids, JSON naming a key twice and damaged gzip data are errors, not scored rows).
+SCORING_REVISION = 5
 
 
 def run_key(scorer: Scorer, spec: ReadSpec, out: OutputSpec, input_sha: str) -> str:
