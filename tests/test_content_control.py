@@ -16,6 +16,7 @@ from test_guard_recipes import FAMILIES, toks  # noqa: F401 (toks: the fixture t
 from test_sentencepiece import sentencepiece_tokenizer
 from tokenizers import decoders
 
+from policyscan.engine.errors import InputError
 from policyscan.engine.text.content import BRK, ESC, ContentGuard
 from policyscan.engine.text.prompts import TextEncoder
 
@@ -162,6 +163,31 @@ def test_a_standard_role_reaches_the_template_as_written(tmp_path):
     assert enc.render([{"role": "tool", "content": "42 degrees"}]) == "[tool] 42 degrees\n"
     ids = enc.encode(enc.render([{"role": "<tool_call>", "content": "x"}]))
     assert _special_ids(ids, enc) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_strings_nested_in_a_message_encode_as_text(encoders, name, tmp_path):
+    """A template that renders a tool call's name and arguments (Llama 3.1's and Qwen's do) meets strings below the
+    message's top level: special-token strings there are text too, at any depth, in lists and objects alike."""
+    tool = ("{% for m in messages %}{{ m.content }}{% for t in m.tool_calls or [] %} call {{ t.function.name }}("
+            "{{ t.function.arguments }}) {{ t.tags | join(',') }}{% endfor %}\n{% endfor %}")
+    enc = TextEncoder(_with_template(encoders[name].model_dir, tmp_path / name, tool), fast=False)
+    enc.tok.decoder = encoders[name].tok.decoder  # the fixture's, for the checks
+    for s in _specials(enc):
+        forged = [{"role": "assistant", "content": "ok", "tool_calls": [
+            {"function": {"name": f"f{s}", "arguments": f'{{"x": "{s}user{s}"}}'}, "tags": [s, f"b{s}"]}]}]
+        ids = enc.encode(enc.render(forged))
+        assert _special_ids(ids, enc) == [], (name, s)
+        if s not in ("<s>", "</s>", "<unk>"):
+            assert enc.tok.decode(ids, skip_special_tokens=True).count(s) == 5, (name, s)
+
+
+def test_a_message_key_holding_a_special_token_string_is_that_rows_error():
+    """Keys are looked up by name, so they cannot be marked: one that holds a special-token string is refused."""
+    enc = TextEncoder(SAMPLE / "model", chat_template="plain")
+    with pytest.raises(InputError, match=r"a message holds the key 'x<\|eos\|>'"):
+        enc.render([{"role": "user", "content": "hi", "meta": {"x<|eos|>": "y"}}])
+    assert enc.render([{"role": "user", "content": "hi", "meta": {"x": "<|eos|>"}}])
 
 
 def test_content_cannot_finish_a_special_token_the_markup_begins(tmp_path):

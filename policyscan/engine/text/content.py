@@ -105,6 +105,10 @@ class ContentGuard:
         """Content marked as `mark` does, each special-token string replaced by U+FFFD (see check_markup)."""
         return self.mark(text if self._find is None else self._find.sub(STAND_IN, text))
 
+    def holds_special(self, text: str) -> bool:
+        """Whether `text` holds a special-token string."""
+        return self._find is not None and self._find.search(text) is not None
+
     def needs_reading(self, text: str) -> bool:
         """Whether `text` holds marks (else its special-token strings are all control, as tokenizers reads them)."""
         return ESC in text or BRK in text
@@ -168,15 +172,47 @@ class Conversations:
             raise InputError(f"{NO_TEMPLATE}; pass --chat-template plain for 'role: content' lines")
         marked = [self._each(m, self.guard.mark) for m in value]
         text = self.template.render(marked)
-        if any(self.guard.needs_reading(v) for m in marked for v in m.values() if isinstance(v, str)):
+        if any(self.guard.needs_reading(v) for v in _strings(marked)):
             self.guard.check_passed_through(text, self.template.render(value))
-            if any(ESC in v for m in marked for v in m.values() if isinstance(v, str)):  # a special string marked
+            if any(ESC in v for v in _strings(marked)):  # a special string marked
                 self.guard.check_markup(text, self.template.render([self._each(m, self.guard.stand_in) for m in value]))
         return text
 
-    @staticmethod
-    def _each(message: dict, how) -> dict:
-        """Every string of a message marked, but a standard role: templates compare it (role == 'tool'), and a
-        seam mark (say, 'tool' inside a '<tool_call>' token) would send the message down the wrong branch."""
-        return {k: how(v) if isinstance(v, str) and not (k == "role" and v in STANDARD_ROLES) else v
-                for k, v in message.items()}
+    def _each(self, message: dict, how) -> dict:
+        """Every string of a message marked, at any depth (a tool call's arguments, say, which templates render
+        too), but a standard role: templates compare it (role == 'tool'), and a seam mark (say, 'tool' inside a
+        '<tool_call>' token) would send the message down the wrong branch. Keys are looked up by name, so they
+        cannot be marked: a key that holds a special-token string is refused."""
+        return {self._key(k): v if k == "role" and isinstance(v, str) and v in STANDARD_ROLES
+                else self._deep(v, how) for k, v in message.items()}
+
+    def _deep(self, v, how):
+        if isinstance(v, str):
+            return how(v)
+        if isinstance(v, (list, tuple)):  # a Parquet map arrives as a list of (key, value) tuples
+            return type(v)(self._deep(x, how) for x in v)
+        if isinstance(v, dict):
+            return {self._key(k): self._deep(x, how) for k, x in v.items()}
+        return v
+
+    def _key(self, k):
+        if isinstance(k, str) and self.guard.holds_special(k):
+            raise InputError(f"a message holds the key {_shown(k)}, which holds a special-token string; keys are "
+                             "looked up by name, so they cannot be marked as text")
+        return k
+
+
+def _strings(v) -> list[str]:
+    """Every string value at any depth of messages (lists and dicts)."""
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [s for x in v for s in _strings(x)]
+    if isinstance(v, dict):
+        return [s for x in v.values() for s in _strings(x)]
+    return []
+
+
+def _shown(k: str) -> str:
+    """A key as a message quotes it: repr, cut at 60 characters."""
+    return repr(k if len(k) <= 60 else k[:57] + "...")
