@@ -56,7 +56,8 @@ class Job:
 # scores again what an earlier policyscan wrote (2: SentencePiece-style tokenizers encode the pieces after the
 # prefix as they follow other text; the CPU path's LoRA shrink is a GEMM; 3: special-token strings in conversation
 # text encode as text; 4: a prompt is cut at the model's max_position_embeddings when --max-length is more; 5: null
-# and ill-typed ids, JSON naming a key twice and damaged gzip data are errors, not scored rows).
+# and ill-typed ids, JSON naming a key twice and damaged gzip data are errors, not scored rows; strings nested in a
+# message encode as text).
 SCORING_REVISION = 5
 
 
