@@ -197,3 +197,22 @@ def test_page_text_is_escaped(tmp_path):
     assert "<script" not in html and "&lt;script&gt;alert(0)&lt;/script&gt;" in html
     assert "hello &lt;b&gt;0&lt;/b&gt; &amp; bye" in html
     assert "Content-Security-Policy" in html and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+
+
+def test_an_id_that_names_two_input_rows_gets_no_excerpt_or_review_entry(outs, tmp_path):
+    """The review queue and the excerpts find a row's conversation by id: where the id names two rows (ids repeat,
+    here the last rows reuse the first rows' ids), the conversation beside a score could be another row's, so those
+    ids get none, and a note says why; the other ids keep theirs."""
+    src = pq.read_table(outs["input"]).slice(0, 12).to_pylist()
+    rows = src[:8] + [dict(r, id=src[i]["id"]) for i, r in enumerate(src[8:])]  # rows 8-11 reuse ids 0-3
+    inp = tmp_path / "dup.jsonl"
+    inp.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "ts"}) + "\n" for r in rows))
+    out = score(inp, tmp_path / "dup.scores.parquet")
+    queue = tmp_path / "q.jsonl"
+    res = _report(out, "-o", tmp_path / "r.html", "--inputs", "--review", queue, "--review-rows", 40)
+    assert "4 of the listed ids name more than one input row" in " ".join(res.output.split())
+    got = [json.loads(line) for line in queue.read_text().splitlines()]
+    repeated = {r["id"] for r in src[:4]}
+    assert got and not any(r["id"] in repeated for r in got)
+    by_id = {r["id"]: r["messages"] for r in rows[4:8]}
+    assert all(r["messages"] == by_id[r["id"]] for r in got)

@@ -1,6 +1,7 @@
 """The conversations of a few listed rows, read by id from the inputs an output's metadata records (found where
 it was scored, else relative to the output, and only while their sha256 is still the recorded one). Only the id
-and conversation columns are read, batch by batch, and only the wanted rows are kept."""
+and conversation columns are read, batch by batch, and only the wanted rows are kept; every input is read to the
+end, so that an id naming two rows is found out."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,25 +49,32 @@ class Found:
 
 
 def find_conversations(out: ScoredOutput, wanted: set) -> Found:
-    """The conversations of the `wanted` ids (the first row of an id, when ids repeat) among `out`'s inputs."""
+    """The conversations of the `wanted` ids among `out`'s inputs. An id that names more than one input row (ids
+    repeat, or an error row shares a scored row's id) gets none: which row was scored under it cannot be told from
+    the id, and an excerpt of the other would put a conversation beside a score that is not its own."""
     spec = read_spec(out.meta.get("read") or {})
     found: dict = {}
+    seen: dict[str, int] = {}
     problems: list[str] = []
     keys = {str(w) for w in wanted}
     for rec in out.meta.get("inputs", []):
-        if len(found) == len(keys):
-            break
         path, why = locate(rec, out.path)
         if path is None:
             problems.append(why)
             continue
         try:
             reader = _parquet if path.name.endswith(".parquet") else _jsonl
-            for key, conv in reader(path, spec, keys - found.keys()):
-                found.setdefault(key, conv)
+            for key, conv in reader(path, spec, keys):
+                seen[key] = seen.get(key, 0) + 1
+                if conv is not None:
+                    found.setdefault(key, conv)
         except (InputError, OSError, pa.ArrowException) as e:
             problems.append(f"{path}: could not be read for excerpts ({e})")
-    return Found({w: found[str(w)] for w in wanted if str(w) in found}, problems)
+    repeated = sorted(k for k, n in seen.items() if n > 1)
+    if repeated:
+        problems.append(f"{len(repeated)} of the listed ids name more than one input row (e.g. {repeated[0]!r}): "
+                        "their conversations are not shown, since which row was scored under the id cannot be told")
+    return Found({w: found[str(w)] for w in wanted if str(w) in found and seen[str(w)] == 1}, problems)
 
 
 def read_spec(read: dict) -> ReadSpec:
@@ -104,8 +112,7 @@ def _parquet(path: Path, spec: ReadSpec, keys: set[str]):
         hits = pc.indices_nonzero(pc.is_in(as_text, value_set=value_set))
         if len(hits):
             for key, value in zip(as_text.take(hits).to_pylist(), rb.column(lay.column).take(hits).to_pylist()):
-                if value is not None:
-                    yield key, Conversation(value, lay.is_messages, lay.column)
+                yield key, None if value is None else Conversation(value, lay.is_messages, lay.column)
 
 
 def _jsonl(path: Path, spec: ReadSpec, keys: set[str]):
@@ -118,6 +125,6 @@ def _jsonl(path: Path, spec: ReadSpec, keys: set[str]):
         if obj is None:
             continue
         key = as_str(obj.get(id_key, f"{path.name}:{line_no}"))
-        if key in keys and obj.get(column) is not None:
-            yield key, Conversation(obj[column], is_messages, column)
+        if key in keys:
+            yield key, None if obj.get(column) is None else Conversation(obj[column], is_messages, column)
 
