@@ -216,21 +216,50 @@ def test_reproducible_and_order_independent(tmp_path, sample_slice):
     assert "all reproduced bit for bit" in res.output
 
 
-def test_verify_reports_a_changed_row(tmp_path, sample_slice):
-    out = tmp_path / "o.parquet"
-    run("score", sample_slice["jsonl"], "-o", out, "--no-progress")
+def _forge(out, edit):
+    """The output with its table edited, its policyscan metadata kept."""
     t = pq.read_table(out)
     kv = pq.ParquetFile(out).metadata.metadata
-    p = t.column("p_pii").to_pylist()
-    p[5] = 0.123
-    forged = t.set_column(t.column_names.index("p_pii"), "p_pii", pa.array(p))
-    pq.write_table(forged.replace_schema_metadata(None), out)
-    pq.write_metadata(forged.schema, tmp_path / "unused")  # keep pyarrow from caching
+    forged = edit(t)
     with pq.ParquetWriter(out, forged.schema) as w:
         w.write_table(forged)
         w.add_key_value_metadata({k: v for k, v in kv.items() if k == b"policyscan"})
+
+
+def _set(t, column, row, value):
+    values = t.column(column).to_pylist()
+    values[row] = value
+    return t.set_column(t.column_names.index(column), column, pa.array(values, t.schema.field(column).type))
+
+
+def test_verify_reports_a_changed_row(tmp_path, sample_slice):
+    out = tmp_path / "o.parquet"
+    run("score", sample_slice["jsonl"], "-o", out, "--no-progress", "--raw")
+    good = out.read_bytes()
+    _forge(out, lambda t: _set(t, "p_pii", 5, 0.123))
     res = CliRunner().invoke(cli, ["verify", str(out), "--sample", "200"])
-    assert res.exit_code == 4 and "1 differ" in res.output
+    assert res.exit_code == 4 and "1 differ" in res.output and "f_pii" not in res.output
+    out.write_bytes(good)  # f is read by calibrate and evaluate --from-scores: verify compares it too
+    _forge(out, lambda t: _set(t, "f_pii", 7, 5.0))
+    res = CliRunner().invoke(cli, ["verify", str(out), "--sample", "200"])
+    assert res.exit_code == 4 and "1 differ" in res.output and "f_pii: stored 5.0" in res.output
+
+
+def test_an_output_that_lost_or_gained_rows_fails_verify_and_is_scored_again(tmp_path, sample_slice):
+    """A sample of ids cannot see rows that are gone: the rows an output holds are counted against its metadata,
+    by verify and by -o DIR/, which scores such an output again instead of skipping it."""
+    src = tmp_path / "in" / "a.jsonl"
+    src.parent.mkdir()
+    src.write_bytes(sample_slice["jsonl"].read_bytes())
+    out = tmp_path / "out" / "a.scores.parquet"
+    run("score", src.parent, "-o", f"{out.parent}/", "--no-progress")
+    rows = pq.ParquetFile(out).metadata.num_rows
+    _forge(out, lambda t: t.slice(0, rows - 3))
+    res = CliRunner().invoke(cli, ["verify", str(out)])
+    assert res.exit_code == 4 and f"holds {rows - 3} rows where its metadata records {rows}" in res.output
+    res = run("score", src.parent, "-o", f"{out.parent}/", "--no-progress")
+    assert "up to date" not in res.output and pq.ParquetFile(out).metadata.num_rows == rows
+    assert run("score", src.parent, "-o", f"{out.parent}/", "--no-progress").output.count("up to date") == 1
 
 
 def test_many_chunks_and_two_inputs_into_one_output(tmp_path, sample_slice):

@@ -19,6 +19,7 @@ from policyscan.engine.inputs.sources import ReadSpec, read_chunks
 from policyscan.engine.json_schema import OUTPUT_METADATA, check
 from policyscan.engine.model.checkpoint import Checkpoint
 from policyscan.engine.model.precision import Precision
+from policyscan.engine.outputs.run_output import recorded_rows, stored_rows
 from policyscan.engine.outputs.sinks import read_metadata
 from policyscan.engine.policy.bundle import load_policy
 from policyscan.engine.run.runner import Engine, resolve_device
@@ -40,7 +41,8 @@ MAX_SAMPLE = 1 << 20
 def verify(output: str, sample: int, device: str | None) -> None:
     """Re-score the rows of SAMPLE ids of OUTPUT with the model, policies and settings its metadata records.
 
-    Exit status: 0 every sampled row reproduced bit for bit, 4 some differ, 1 the run cannot be repeated
+    Exit status: 0 every sampled row reproduced bit for bit (p, and f in a --raw output), 4 some differ or the output
+    holds another number of rows than its metadata records, 1 the run cannot be repeated
     (a model, tokenizer, chat template, adapter or input file changed or is missing; or the output records a prompt
     length other than the one this policyscan uses)."""
     out = Path(output)
@@ -48,6 +50,11 @@ def verify(output: str, sample: int, device: str | None) -> None:
     if meta is None:
         raise PolicyscanError(f"{out}: no policyscan metadata; only `policyscan score` outputs can be verified")
     check(meta, OUTPUT_METADATA, f"{out}: its metadata", PolicyscanError)  # damaged: one line, not a traceback
+    held, recorded = stored_rows(out), recorded_rows(meta)
+    if held != recorded:  # a sample of ids cannot find rows that are gone
+        click.echo(f"{out} holds {held} rows where its metadata records {recorded}: rows were removed or added since "
+                   "it was written")
+        sys.exit(EXIT_DIFFERS)
     _check_ids(out, meta)
     _check_model(meta)
     inputs = [_input_path(rec, out) for rec in meta["inputs"]]
@@ -88,7 +95,9 @@ def verify(output: str, sample: int, device: str | None) -> None:
     if _template_id(meta.get("chat_template")) != _template_id(engine.encoder.describe_template()):
         raise PolicyscanError(f"the chat template changed since the run: {meta.get('chat_template')} then, "
                               f"{engine.encoder.describe_template()} now")
-    stored = _stored(out, meta, [p.name for p in policies])
+    raw = bool(meta["output"].get("raw"))  # f is stored too: calibrate and evaluate --from-scores read it
+    columns = [f"{k}_{p.name}" for k in ("p", "f")[:1 + raw] for p in policies]
+    stored = _stored(out, meta, [p.name for p in policies], raw)
     ids = sorted(stored, key=lambda i: hashlib.sha256(str(i).encode()).digest())[:sample]
     texts = _find(meta, inputs, set(ids), engine)
     missing = [i for i in ids if i not in texts]
@@ -100,9 +109,9 @@ def verify(output: str, sample: int, device: str | None) -> None:
     f, _, _ = engine.score_conversations([np.asarray(encoded[k], dtype=np.int64) for k in keep])
     now: dict = {i: [] for i in ids}
     for r, (i, _) in enumerate(flat[k] for k in keep):
-        now[i].append(tuple(float(pol.calibrate_np(f[r:r + 1, j])[0])
-                                           for j, pol in enumerate(policies)))
-    bad = [d for i in ids for d in _differences(i, stored[i], now[i], [p.name for p in policies])]
+        p_now = tuple(float(pol.calibrate_np(f[r:r + 1, j])[0]) for j, pol in enumerate(policies))
+        now[i].append(p_now + (tuple(float(v) for v in f[r]) if raw else ()))
+    bad = [d for i in ids for d in _differences(i, stored[i], now[i], columns)]
     rows = sum(len(stored[i]) for i in ids)
     click.echo(f"verified {rows} rows ({len(ids)} ids) x {len(policies)} policies of {out}: "
                f"{'all reproduced bit for bit' if not bad else f'{len(bad)} differ'}")
@@ -167,11 +176,13 @@ def _input_path(rec: dict, out: Path) -> Path:
     raise PolicyscanError(f"input {rec['path']} is {state}; looked at {', '.join(w for w in where if w)}")
 
 
-def _stored(out: Path, meta: dict, names: list[str]) -> dict:
-    """id -> [(p per policy), ...], one tuple per row with that id, in output order (wide or long)."""
+def _stored(out: Path, meta: dict, names: list[str], raw: bool) -> dict:
+    """id -> [(p per policy, then f per policy when raw), ...], one tuple per row with that id, in output order
+    (wide or long)."""
     long = meta["output"]["layout"] == "long"
+    kinds = ("p", "f")[:1 + raw]
     if out.name.endswith(".parquet"):
-        cols = ["id", "policy", "p"] if long else ["id"] + [f"p_{n}" for n in names]
+        cols = ["id", "policy", *kinds] if long else ["id"] + [f"{k}_{n}" for k in kinds for n in names]
         rows = pq.read_table(out, columns=cols).to_pylist()
     else:
         opener = gzip.open if out.name.endswith(".gz") else open
@@ -180,16 +191,16 @@ def _stored(out: Path, meta: dict, names: list[str]) -> dict:
     table: dict = {}
     if long:  # a conversation's rows are its policies, consecutive
         for k in range(0, len(rows), len(names)):
-            group = {r["policy"]: r["p"] for r in rows[k:k + len(names)]}
-            table.setdefault(rows[k]["id"], []).append(tuple(group[n] for n in names))
+            group = {r["policy"]: r for r in rows[k:k + len(names)]}
+            table.setdefault(rows[k]["id"], []).append(tuple(group[n][c] for c in kinds for n in names))
     else:
         for r in rows:
-            table.setdefault(r["id"], []).append(tuple(r[f"p_{n}"] for n in names))
+            table.setdefault(r["id"], []).append(tuple(r[f"{c}_{n}"] for c in kinds for n in names))
     return table
 
 
 def _differences(id_, stored: list[tuple], now: list[tuple], names: list[str]) -> list[tuple]:
-    """(id, policy, stored p, p now) for stored rows that no re-scored row of the same id reproduces: rows
+    """(id, column, stored value, value now) for stored rows that no re-scored row of the same id reproduces: rows
     that share an id (the same id twice, texts alike or not) are matched as a multiset, never by position."""
     left = list(now)
     unmatched = []

@@ -4,16 +4,19 @@ this process, a WorkerPool, a Ray run) writes through it and reports itself as a
 from __future__ import annotations
 
 import datetime
+import gzip
 import hashlib
 import json
 import os
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.files import changed_since_hashed, input_file_sha256
@@ -74,8 +77,33 @@ def run_key(scorer: Scorer, spec: ReadSpec, out: OutputSpec, input_sha: str) -> 
 
 
 def up_to_date(output: Path, key: str) -> bool:
+    """The output of this run key, balanced, and still holding every row its metadata records (an output cut or
+    padded since it was written is scored again)."""
     meta = read_metadata(output) if output.exists() else None
-    return bool(meta) and meta.get("run_key") == key and meta.get("accounting", {}).get("balanced", False)
+    return (bool(meta) and meta.get("run_key") == key and meta.get("accounting", {}).get("balanced", False)
+            and stored_rows(output) == recorded_rows(meta))
+
+
+def stored_rows(out: Path) -> int | None:
+    """How many rows a finished output holds (its Parquet footer, or the lines of a JSONL file), None if it cannot
+    be read."""
+    try:
+        if out.name.endswith(".parquet"):
+            return pq.ParquetFile(out).metadata.num_rows
+        with (gzip.open(out, "rb") if out.name.endswith(".gz") else open(out, "rb")) as fh:
+            return sum(1 for line in fh if line.strip())
+    except (OSError, EOFError, zlib.error, pa.ArrowException):
+        return None
+
+
+def recorded_rows(meta: dict) -> int | None:
+    """How many rows the metadata says the output holds: one a scored conversation, or one a conversation and
+    policy in the long layout (None for metadata without accounting)."""
+    scored = (meta.get("accounting") or {}).get("rows_scored")
+    if not isinstance(scored, int):
+        return None
+    long = (meta.get("output") or {}).get("layout") == "long"
+    return scored * (len(meta.get("policies") or ()) if long else 1)
 
 
 class RunOutput:
