@@ -173,3 +173,20 @@ def test_a_jsonl_output_is_json_whatever_floats_the_kept_columns_hold(tmp_path):
 
     rows = [json.loads(line, parse_constant=refuse) for line in out.read_text().splitlines()]
     assert [(r["id"], r["f"], r["k"]) for r in rows] == [("a", 1.5, [1.0, "inf"]), ("b", "nan", [2.0])]
+
+
+def test_a_foreign_file_where_a_jsonl_outputs_metadata_goes_is_refused(tmp_path):
+    """OUT.meta.json is written beside a JSONL output: a file there that is not policyscan's metadata (someone's
+    notes) is a usage error before scoring, as a foreign output or errors file is; policyscan's own is replaced."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "user: hi"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    notes = tmp_path / "o.jsonl.meta.json"
+    notes.write_text('{"my": "notes"}')
+    res = run("score", src, "-o", out, *CPU, ok=(2,))
+    assert f"metadata file {notes} exists and is not policyscan metadata" in " ".join(res.output.split())
+    assert notes.read_text() == '{"my": "notes"}' and not out.exists()
+    notes.unlink()
+    run("score", src, "-o", out, *CPU)
+    run("score", src, "-o", out, *CPU)  # its own metadata from the run before
+    assert json.loads(notes.read_text())["accounting"]["rows_scored"] == 1

@@ -6,6 +6,7 @@ A path `score` writes is either not there yet or a regular file; anything else t
 regular file (is it policyscan's?) reads a Parquet footer, or lines of at most sinks.LINE_LIMIT bytes."""
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -90,6 +91,19 @@ def check_jobs(jobs: list[Job], protected: dict[Path, str], folders_made_later: 
         if job.errors.exists() and not is_errors_file(job.errors):
             raise click.UsageError(f"errors file {job.errors} exists and is not a policyscan errors file; "
                                    "remove it or choose another --errors")
+        mp = meta_path(job.target)
+        if job.target.name.endswith((".jsonl", ".jsonl.gz")) and mp.exists() and not _is_metadata(mp):
+            raise click.UsageError(f"metadata file {mp} exists and is not policyscan metadata; remove it or choose "
+                                   "another -o")
+
+
+def _is_metadata(path: Path) -> bool:
+    """Whether the regular file `path` holds the metadata policyscan writes beside a JSONL output."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(meta, dict) and "policyscan_version" in meta and "accounting" in meta
 
 
 def _made_from(folder: Path, made_later: bool) -> Path:
