@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from policyscan.calibration.labels import parse_labels
+from policyscan.calibration.labels import label_words_note, parse_labels
 from policyscan.calibration.metrics import brier, ece, log_loss, roc_auc
 from policyscan.calibration.platt import fit_platt
 from policyscan.cli.main import cli
@@ -80,6 +80,17 @@ def test_labels():
                           " Compliant", " Violation")
     assert y[:6] == [0, 1, 1, 0, 1, 0] and y[6:] == [None, None, None]
     assert [i for i, _ in bad] == [6, 7, 8]
+
+
+def test_a_policys_own_labels_come_before_the_words_they_invert():
+    """A policy asking "is this safe?" answers " Yes" for compliant: its own strings decide, "yes" is compliant and
+    "no" a violation, the other words keep their meaning, and a note says so; labels that invert nothing get none."""
+    y, bad = parse_labels(["Yes", " no", "YES", "true", 0, "violation"], " Yes", " No")
+    assert y == [0, 1, 0, 1, 0, 1] and not bad
+    note = label_words_note("safe", " Yes", " No")
+    assert "labels read 'yes' as compliant and 'no' as violation" in note
+    assert label_words_note("pii", " Compliant", " Violation") is None
+    assert label_words_note("guard", " No", " Yes") is None  # yes/no in their usual sense
 
 
 def test_calibrate_cli_dry_run_then_write(tmp_path, sample_slice):

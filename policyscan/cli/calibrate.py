@@ -9,7 +9,7 @@ import click
 import numpy as np
 
 from policyscan.calibration.labeled import read_scores, score_labeled, split_holdout
-from policyscan.calibration.labels import parse_labels
+from policyscan.calibration.labels import label_words_note, parse_labels
 from policyscan.calibration.metrics import summary
 from policyscan.calibration.platt import PlattFit, fit_platt
 from policyscan.calibration.plot import PLOT_SUFFIXES, reliability_plot, require_matplotlib
@@ -86,6 +86,8 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
                                   fp8_flip_limit=fp8_flip_limit)
         data = score_labeled(Engine(model_dir, [policy], settings), files, spec, label_column)
     y, bad = parse_labels(data.labels, policy.compliant, policy.violation)
+    if note := label_words_note(policy.name, policy.compliant, policy.violation):
+        click.echo(f"note: {note}", err=True)
     if bad:
         click.echo(f"{len(bad)} rows have no usable label and are left out, e.g. row {bad[0][0]}: {bad[0][1]}",
                    err=True)

@@ -15,7 +15,7 @@ from policyscan.calibration import evaluation
 from policyscan.calibration.bootstrap import LEVEL, METHOD, REPLICATES
 from policyscan.calibration.evaluation import LabeledScores, verdicts_differ
 from policyscan.calibration.labeled import read_scores, score_labeled_policies
-from policyscan.calibration.labels import parse_labels
+from policyscan.calibration.labels import label_words_note, parse_labels
 from policyscan.calibration.record import data_sha256, write_atomic, write_threshold
 from policyscan.calibration.thresholds import Target
 from policyscan.cli.common import (
@@ -119,6 +119,8 @@ def evaluate(labeled, policy_dirs, label_column, from_scores, target_recall, tar
     results = {}
     for j, (pol, d, p) in enumerate(zip(policies, data, scores)):
         y, bad = parse_labels(d.labels, pol.compliant, pol.violation)
+        if note := label_words_note(pol.name, pol.compliant, pol.violation):
+            click.echo(f"note: {note}", err=True)
         if bad:
             click.echo(f"{pol.name}: {len(bad)} rows have no usable label and are left out, e.g. row {bad[0][0]}: "
                        f"{bad[0][1]}", err=True)
