@@ -15,6 +15,7 @@ from cli_cases import SAMPLE, run
 
 from policyscan.engine.errors import PolicyscanError
 from policyscan.engine.policy.bundle import load_policy
+from policyscan.engine.policy.tensor_file import TensorFile
 
 CPU = ["--device", "cpu", "--threads", "1", "--max-length", "256", "--batch-tokens", "4096", "--no-progress"]
 POLICY = SAMPLE / "policies" / "pii"
@@ -118,8 +119,37 @@ def test_an_adapter_config_that_is_not_its_weights_is_refused(tmp_path):
     cfg_path.write_text(json.dumps({**cfg, "rank_pattern": {"q_proj|v_proj": cfg["r"]}}))  # PEFT's regex rule
     load_policy(policy)
     cfg_path.write_text(json.dumps({**cfg, "target_modules": ["nonexistent_proj"]}))
-    with pytest.raises(PolicyscanError, match=r"target_modules \['nonexistent_proj'\] does not name"):
+    with pytest.raises(PolicyscanError, match=r"target_modules \['nonexistent_proj'\] does not take "
+                                              r"model\.layers\.\d+\.\w+\.\w+_proj, which .* holds factors for"):
         load_policy(policy)
+    # a string is a regular expression PEFT matches against whole module paths: the bare name matches none
+    cfg_path.write_text(json.dumps({**cfg, "target_modules": "q_proj"}))
+    with pytest.raises(PolicyscanError, match=r"target_modules 'q_proj' does not take"):
+        load_policy(policy)
+    cfg_path.write_text(json.dumps({**cfg, "target_modules": r".*\.(q|k|v|o|gate|up|down)_proj"}))
+    load_policy(policy)
+    cfg_path.write_text(json.dumps({**cfg, "layers_to_transform": [0]}))  # the factors cover every layer
+    with pytest.raises(PolicyscanError, match=r"layers_to_transform \[0\] does not take model\.layers\.[1-9]"):
+        load_policy(policy)
+    layers = sorted({int(k.split(".layers.")[1].split(".")[0]) for k in TensorFile(policy /
+                                                                                  "adapter_model.safetensors").names})
+    cfg_path.write_text(json.dumps({**cfg, "layers_to_transform": layers}))
+    load_policy(policy)
+
+
+@pytest.mark.parametrize("key,value", [("alora_invocation_tokens", [5, 6]), ("use_qalora", True),
+                                       ("layer_replication", [[0, 2], [1, 2]]), ("lora_bias", True),
+                                       ("trainable_token_indices", [3]), ("target_parameters", ["mlp.experts"])])
+def test_an_adapter_config_key_that_changes_what_peft_computes_is_refused(tmp_path, key, value):
+    """Activated LoRA, QA-LoRA, replicated layers, a bias on B, trained token rows, LoRA on parameters: PEFT would
+    compute something other than the factors' product, so scoring the factors alone would be a guess."""
+    policy = shutil.copytree(POLICY, tmp_path / "pii")
+    cfg_path = policy / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), key: value}))
+    with pytest.raises(PolicyscanError, match=rf"{key}=.* is not supported: it changes what PEFT computes"):
+        load_policy(policy)
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), key: None}))  # as PEFT writes the default
+    load_policy(policy)
 
 
 @pytest.mark.parametrize("expression", ["'x' * 1000000000", "'x'.ljust(1000000000)", "'x' | center(1000000000)",

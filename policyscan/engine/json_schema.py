@@ -240,6 +240,10 @@ ADAPTER_CONFIG: dict[str, Field] = {
     "alpha_pattern": Field("object|null", each=Field("number")),
     "rank_pattern": Field("object|null", each=_count(1 << 16)),
     "target_modules": Field("list|str|null", items=Field("str")),
+    "layers_to_transform": Field("int|list|null", items=Field("int")),
+    "lora_bias": _FLAG, "use_qalora": _FLAG, "alora_invocation_tokens": Field("list|null"),
+    "layer_replication": Field("list|null"), "trainable_token_indices": Field("list|object|null"),
+    "target_parameters": Field("list|null"),
 }
 # a model's tokenizer_config.json and chat_template.json (chat_template.read_tokenizer_config, model_templates)
 _TOKEN = Field("str|object|null", fields={"content": Field("str")})

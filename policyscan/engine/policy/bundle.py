@@ -100,9 +100,10 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
     cfg = load(cfg_path, ADAPTER_CONFIG, PolicyError)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise PolicyError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters are supported")
-    for key in ("use_dora", "fan_in_fan_out"):
+    for key in CHANGES_THE_PRODUCT:
         if cfg.get(key):
-            raise PolicyError(f"{cfg_path}: {key}={cfg[key]} is not supported")
+            raise PolicyError(f"{cfg_path}: {key}={cfg[key]} is not supported: it changes what PEFT computes from "
+                              "the factors, which policyscan does not")
     if cfg.get("bias", "none") != "none":
         raise PolicyError(f"{cfg_path}: bias={cfg['bias']!r}; only bias='none' adapters are supported")
     if cfg.get("modules_to_save"):
@@ -153,6 +154,12 @@ def _finite(t: np.ndarray, w_path: Path, name: str) -> np.ndarray:
     return t
 
 
+# adapter_config.json keys under which PEFT computes something other than x + scale * B A x on the named projections
+# (DoRA, a bias on B, activated LoRA, QA-LoRA, replicated layers, trained token rows, LoRA on parameters)
+CHANGES_THE_PRODUCT = ("use_dora", "fan_in_fan_out", "lora_bias", "alora_invocation_tokens", "use_qalora",
+                       "layer_replication", "trainable_token_indices", "target_parameters")
+
+
 def _check_config_fits(cfg: dict, cfg_path: Path, w_path: Path, layer: int, proj: str, rank: int) -> None:
     """adapter_config.json must describe the factors as PEFT would load them: their rank is r (or rank_pattern's),
     and their module is among target_modules. PEFT refuses an adapter that disagrees; scoring it would apply the
@@ -162,13 +169,24 @@ def _check_config_fits(cfg: dict, cfg_path: Path, w_path: Path, layer: int, proj
         raise PolicyError(f"{cfg_path}: r (or rank_pattern) is {r:g} for layer {layer} {proj}, but its factors in "
                           f"{w_path} have rank {rank}; the config is not the weights': use the adapter's own "
                           "adapter_config.json")
-    # a list names modules by their name or a path ending in it; a regular expression matches paths of the model
-    # PEFT loaded, which this loader does not build, so only a list is checked
+    # a list names modules by their name or a path ending in it; a string is a regular expression PEFT matches
+    # against each whole module path, as a decoder of these projections names it (model.layers.N.self_attn.q_proj)
     targets = cfg.get("target_modules")
-    if isinstance(targets, list) and not any(t == proj or t.endswith("." + proj) for t in targets):
-        raise PolicyError(f"{cfg_path}: target_modules {targets} does not name {proj}, which {w_path} holds "
-                          f"factors for (layer {layer}); the config is not the weights': use the adapter's own "
+    named = (any(t == proj or t.endswith("." + proj) for t in targets) if isinstance(targets, list)
+             else _full_match(targets, _module(layer, proj), cfg_path) if isinstance(targets, str) else True)
+    layers = cfg.get("layers_to_transform")
+    if not named or (layers is not None and layer not in ([layers] if isinstance(layers, int) else layers)):
+        what = f"target_modules {targets!r}" if not named else f"layers_to_transform {layers}"
+        raise PolicyError(f"{cfg_path}: {what} does not take {_module(layer, proj)}, which {w_path} holds factors "
+                          "for, so PEFT would not apply them; the config is not the weights': use the adapter's own "
                           "adapter_config.json")
+
+
+def _full_match(pattern: str, module: str, cfg_path: Path) -> bool:
+    try:
+        return re.fullmatch(pattern, module) is not None
+    except re.error as e:
+        raise PolicyError(f"{cfg_path}: target_modules {pattern!r} is not a regular expression ({e})") from e
 
 
 def _module(layer: int, proj: str) -> str:
