@@ -137,6 +137,11 @@ def test_damaged_gzip_data_scores_no_row_of_the_file(tmp_path):
             next(chunks)
     p.write_bytes(good + b"\0" * 64)
     assert len(rows(p)) == 1000
+    p.write_bytes(b"")  # no header: not a gzip file of no lines, which is 20 bytes
+    with pytest.raises(InputError, match=r"it is empty \(0 bytes\), not gzip data"):
+        rows(p)
+    p.write_bytes(gzip.compress(b""))
+    assert rows(p) == []
     p.write_bytes(good + b"appended by mistake")
     got = []
     with pytest.raises(PartialFileError, match=r"the bytes after line 1000 are not gzip data .* the lines before "

@@ -84,6 +84,9 @@ def gzip_damage(raw: BinaryIO) -> str | None:
     member's end, after the rows decoded from it were scored. A file that ends early, or holds bytes that are not
     gzip after its members, is not damaged in this sense: the reader scores what it read and names the rest."""
     d = zlib.decompressobj(wbits=31)  # gzip framing: the CRC-32 and length of each member are checked
+    if not raw.read(1):  # a writer that died before its first byte: an empty gzip file still has a header
+        return "it is empty (0 bytes), not gzip data, which holds a header even for no lines"
+    raw.seek(0)
     while buf := raw.read(1 << 22):
         while buf:
             try:
