@@ -182,8 +182,9 @@ def test_outputs_of_other_policies_are_refused(outs, tmp_path, sample_slice):
     other = score(sample_slice["parquet"], tmp_path / "other.scores.parquet", "--policies", bundle)
     res = CliRunner().invoke(cli, ["report", str(only), str(other), "-o", str(tmp_path / "r.html")])
     assert res.exit_code == 2 and "different versions of policy 'pii' (calibration a" in res.output
+    # a folder: its *.scores.* files, which agree on the policies, but two of them hold the same input's rows
     folder = CliRunner().invoke(cli, ["report", str(outs["root"]), "-o", str(tmp_path / "r.html")])
-    assert folder.exit_code == 0, folder.output  # a folder: its *.scores.* files, which agree
+    assert folder.exit_code == 2 and "both hold the rows of input" in folder.output, folder.output
 
 
 def test_page_text_is_escaped(tmp_path):
@@ -216,3 +217,15 @@ def test_an_id_that_names_two_input_rows_gets_no_excerpt_or_review_entry(outs, t
     assert got and not any(r["id"] in repeated for r in got)
     by_id = {r["id"]: r["messages"] for r in rows[4:8]}
     assert all(r["messages"] == by_id[r["id"]] for r in got)
+
+
+def test_two_outputs_of_one_input_are_refused(outs, tmp_path):
+    """A copied output (or one written flat and again in its folder) holds the same input's rows: reported together
+    they would count twice."""
+    folder = tmp_path / "scores"
+    folder.mkdir()
+    shutil.copy(outs["wide"], folder / "a.scores.parquet")
+    shutil.copy(outs["wide"], folder / "b.scores.parquet")
+    res = _report(folder, "-o", tmp_path / "r.html", ok=(2,))
+    assert res.exit_code == 2 and "both hold the rows of input" in res.output and "would count twice" in res.output
+    assert not (tmp_path / "r.html").exists()

@@ -106,7 +106,9 @@ def identity(out: ScoredOutput) -> dict:
 
 
 def check_together(outputs: list[ScoredOutput]) -> None:
-    """One model and one set of policies (name, adapter, prompt, calibration, threshold) across the outputs."""
+    """One model and one set of policies (name, adapter, prompt, calibration, threshold) across the outputs, and no
+    input scored into two of them (a copied output, or one written flat and again in its folder): its rows would
+    count twice."""
     first = identity(outputs[0])
     for out in outputs[1:]:
         other = identity(out)
@@ -115,6 +117,13 @@ def check_together(outputs: list[ScoredOutput]) -> None:
         why = _difference(first, other)
         raise InputError(f"{outputs[0].path} and {out.path} were scored {why}; their figures would mix: report "
                          "them apart (one `policyscan report` for each model and set of policies)")
+    seen: dict[tuple, ScoredOutput] = {}
+    for out in outputs:
+        for rec in out.meta.get("inputs", []):
+            key = (rec.get("sha256"), rec.get("abs_path") or rec.get("path"))  # two files of equal bytes are two
+            if key[0] is not None and seen.setdefault(key, out) is not out:
+                raise InputError(f"{seen[key].path} and {out.path} both hold the rows of input {key[1]} (sha256 "
+                                 f"{key[0][:12]}...); its rows would count twice: report one of them")
 
 
 def _difference(a: dict, b: dict) -> str:
