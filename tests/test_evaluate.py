@@ -151,3 +151,17 @@ def test_fp8_is_shown_beside_bf16(tmp_path, sample_slice):
     assert pii["bf16"]["rows"] == pii["rows"] == 24 and pii["bf16"]["roc_auc"] is not None
     assert {"rows", "share", "max_abs_dp", "examples"} <= set(pii["verdicts_differ"])
     assert "bf16" in res.output.splitlines()[1] and "FP8 and bf16 verdicts differ on" in res.output
+
+
+def test_rows_naming_other_policies_are_counted_in_a_note(tmp_path):
+    """A file with a `policy` column gives each policy the rows that name it; the rest are left out, and a note
+    counts them by name, so a misspelt policy ('PII') shows. The column is found though the first line lacks it."""
+    rows = [{"id": "x", "text": "user: hello", "label": 0}]
+    rows += [{"id": f"r{i}", "text": f"user: my phone is 555-01{i:02d}", "label": 1,
+              "policy": ["pii", "PII", "investment_advice"][i % 3]} for i in range(9)]
+    src = tmp_path / "l.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = run("evaluate", src, "--policy", SAMPLE / "policies" / "pii", "--bootstrap", 0, "--max-length", 128)
+    assert "pii: 7 labeled rows name another policy in their 'policy' column and are left out ('PII' 3, " \
+           "'investment_advice' 3, 'None' 1)" in " ".join(res.output.split())
+    assert "policy pii: 3 labeled rows" in res.output

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,15 @@ class Labeled:
     labels: list
     column: str
     score: str = "f"
+    others: dict = field(default_factory=dict)  # rows left out that name another policy (a `policy` column): counts
+
+    def others_note(self, name: str) -> str | None:
+        """A line saying which rows naming other policies were left out (a misspelt name among them shows)."""
+        if not self.others:
+            return None
+        listed = ", ".join(f"{k!r} {n}" for k, n in sorted(self.others.items(), key=lambda kv: -kv[1])[:8])
+        return (f"{name}: {sum(self.others.values())} labeled rows name another policy in their 'policy' column and "
+                f"are left out ({listed})")
 
     def __post_init__(self) -> None:
         if not len(self.ids) == len(self.f) == len(self.labels):
@@ -55,6 +65,7 @@ def score_labeled_policies(engine: Engine, files: list[Path], spec: ReadSpec,
     f: list[list[np.ndarray]] = [[] for _ in names]
     labels: list[list] = [[] for _ in names]
     columns = [label_column or "label"] * len(names)
+    others: list[Counter] = [Counter() for _ in names]
     for path in files:
         columns = [label_column or guess_label_column(path, n) for n in names]
         by_policy = POLICY_COLUMN in column_names(path) and POLICY_COLUMN not in columns
@@ -70,20 +81,23 @@ def score_labeled_policies(engine: Engine, files: list[Path], spec: ReadSpec,
             for j, (name, column) in enumerate(zip(names, columns)):
                 rows = np.arange(len(chunk_ids)) if owner is None else \
                     np.array([k for k, o in enumerate(owner) if o == name], dtype=np.int64)
+                if owner is not None:
+                    others[j].update(str(o) for o in owner if o != name)
                 values = chunk.keep[column].to_pylist()
                 f[j].append(scores[rows, j])
                 ids[j] += [chunk_ids[k] for k in rows]
                 labels[j] += [values[k] for k in rows]
-    return [Labeled(ids[j], np.concatenate(f[j]) if f[j] else np.zeros(0), labels[j], columns[j])
-            for j in range(len(names))]
+    return [Labeled(ids[j], np.concatenate(f[j]) if f[j] else np.zeros(0), labels[j], columns[j],
+                    others=dict(others[j])) for j in range(len(names))]
 
 
 LINES_LOOKED_AT = 4096  # a JSONL file's lines read for its columns: the first object among them names them
 
 
 def column_names(path: Path) -> list[str]:
-    """A labeled file's columns: a Parquet schema's names, the keys of a JSONL file's first object (blank and
-    malformed lines before it are the reader's row errors). A file that is not a regular file, or cannot be read
+    """A labeled file's columns: a Parquet schema's names, the keys of the objects among a JSONL file's first
+    LINES_LOOKED_AT lines (a first line without `policy` does not hide the column; blank and malformed lines are the
+    reader's row errors). A file that is not a regular file, or cannot be read
     so far, is an InputError naming it."""
     import zlib
 
@@ -94,11 +108,14 @@ def column_names(path: Path) -> list[str]:
     try:
         if path.name.endswith(".parquet"):
             return pq.ParquetFile(path).schema_arrow.names
+        keys: dict[str, None] = {}
         for n, ((_, obj, _), _) in enumerate(parsed_lines(path)):
             if isinstance(obj, dict):
-                return list(obj)
+                keys.update(dict.fromkeys(obj))
             if n + 1 >= LINES_LOOKED_AT:
                 break
+        if keys:
+            return list(keys)
     except (OSError, EOFError, ValueError, zlib.error, pa.ArrowException) as e:
         raise InputError(f"{path}: cannot read its columns ({type(e).__name__}: {e}); is it a Parquet or JSONL file, "
                          "whole?") from e
@@ -107,7 +124,7 @@ def column_names(path: Path) -> list[str]:
 
 
 def guess_label_column(path: Path, policy_name: str) -> str:
-    """`label`, else the policy's name, among the file's columns (a JSONL file's first line)."""
+    """`label`, else the policy's name, among the file's columns (column_names)."""
     names = column_names(path)
     for guess in ("label", policy_name):
         if guess in names:

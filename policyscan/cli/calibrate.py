@@ -86,8 +86,9 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
                                   fp8_flip_limit=fp8_flip_limit)
         data = score_labeled(Engine(model_dir, [policy], settings), files, spec, label_column)
     y, bad = parse_labels(data.labels, policy.compliant, policy.violation)
-    if note := label_words_note(policy.name, policy.compliant, policy.violation):
-        click.echo(f"note: {note}", err=True)
+    for note in (label_words_note(policy.name, policy.compliant, policy.violation), data.others_note(policy.name)):
+        if note:
+            click.echo(f"note: {note}", err=True)
     if bad:
         click.echo(f"{len(bad)} rows have no usable label and are left out, e.g. row {bad[0][0]}: {bad[0][1]}",
                    err=True)

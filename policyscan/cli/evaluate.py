@@ -119,8 +119,9 @@ def evaluate(labeled, policy_dirs, label_column, from_scores, target_recall, tar
     results = {}
     for j, (pol, d, p) in enumerate(zip(policies, data, scores)):
         y, bad = parse_labels(d.labels, pol.compliant, pol.violation)
-        if note := label_words_note(pol.name, pol.compliant, pol.violation):
-            click.echo(f"note: {note}", err=True)
+        for note in (label_words_note(pol.name, pol.compliant, pol.violation), d.others_note(pol.name)):
+            if note:
+                click.echo(f"note: {note}", err=True)
         if bad:
             click.echo(f"{pol.name}: {len(bad)} rows have no usable label and are left out, e.g. row {bad[0][0]}: "
                        f"{bad[0][1]}", err=True)
