@@ -139,3 +139,16 @@ def test_a_linked_folder_is_read_once_under_its_own_name(tmp_path):
     notes: list[str] = []
     assert expand_inputs([str(tmp_path / "arch")], notes.append) == [tmp_path / "arch" / "real" / "x.jsonl"]
     assert notes == []
+
+
+def test_a_byte_order_mark_at_the_start_is_not_part_of_the_first_row(tmp_path):
+    """Windows tools write UTF-8 with a BOM: the first line is an object like the others, read whole and in the
+    workers' byte ranges alike; a BOM elsewhere is content and stays."""
+    from policyscan.engine.inputs.jsonl import read_jsonl_range
+    p = tmp_path / "a.jsonl"
+    body = b'{"id": "a", "text": "first"}\n{"id": "b", "text": "\xef\xbb\xbfsecond"}\n'
+    p.write_bytes(b"\xef\xbb\xbf" + body)
+    got = rows(p)
+    assert [(r[1], r[2], r[3]) for r in got] == [("a", "first", None), ("b", "\ufeffsecond", None)]
+    ranged = list(read_jsonl_range(p, ReadSpec(), render, 0, p.stat().st_size, 1, 0, ("text", False)))
+    assert [t for c in ranged for t in c.texts] == ["first", "\ufeffsecond"]

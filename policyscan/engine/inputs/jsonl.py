@@ -46,7 +46,13 @@ def parsed_lines(path: Path) -> Iterator[tuple[Parsed, int]]:
         with io.TextIOWrapper(data, encoding="utf-8", errors="surrogateescape", newline="\n") as f:
             for line_no, line in enumerate(f, 1):
                 if line.strip():  # blank lines are not rows
-                    yield (line_no, *parse_line(line)), len(line)
+                    yield (line_no, *parse_line(_without_bom(line, line_no))), len(line)
+
+
+def _without_bom(line: str, line_no: int) -> str:
+    """The first line without the byte-order mark Windows tools put at a UTF-8 file's start (the line stays a row:
+    whether a line is blank is decided with it, as the workers' row counts decide it)."""
+    return line[1:] if line_no == 1 and line.startswith("\ufeff") else line
 
 
 def parse_line(line: str) -> tuple[dict | None, str | None]:
@@ -181,7 +187,7 @@ def _range_lines(path: Path, start: int, end: int, first_line: int) -> Iterator[
                 break
             line = raw.decode("utf-8", "surrogateescape")
             if line.strip():
-                yield (line_no, *parse_line(line)), len(line)
+                yield (line_no, *parse_line(_without_bom(line, line_no))), len(line)
             if pos == end:
                 return
     raise InputError(f"{path}: bytes {start} to {end} no longer hold the whole lines they held when the run "
