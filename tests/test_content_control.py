@@ -182,6 +182,20 @@ def test_strings_nested_in_a_message_encode_as_text(encoders, name, tmp_path):
             assert enc.tok.decode(ids, skip_special_tokens=True).count(s) == 5, (name, s)
 
 
+def test_ordinary_nested_values_reach_the_template_as_written(encoders, tmp_path):
+    """Templates compare, measure and `tojson` a tool call's values (Mistral's refuses an id whose length is not 9,
+    Llama 3.1's writes the arguments as JSON): below the top level only a string holding a special-token string is
+    marked, so pieces of special tokens ('id', 'text', 'end') pass as they are and the render is the template's own."""
+    tool = ("{% for m in messages %}{{ m.content }}{% for t in m.tool_calls or [] %}{% if t.id | length != 9 %}"
+            "{{ raise_exception('bad id') }}{% endif %}{% if t.type == 'function' %} call {{ t.function.name }} "
+            "{{ t.function.arguments | tojson }}{% endif %}{% endfor %}<|eot_id|>{% endfor %}")
+    enc = TextEncoder(_with_template(encoders["llama3"].model_dir, tmp_path / "m", tool), fast=False)
+    messages = [{"role": "assistant", "content": "ok", "tool_calls": [
+        {"id": "abc_end_1", "type": "function", "function": {"name": "text", "arguments": {"sort_by": "id"}}}]}]
+    assert enc.render(messages) == enc.chat_template.render(messages)
+    assert enc.encode(enc.render(messages)) == enc.encode(enc.chat_template.render(messages))
+
+
 def test_a_message_key_holding_a_special_token_string_is_that_rows_error():
     """Keys are looked up by name, so they cannot be marked: one that holds a special-token string is refused."""
     enc = TextEncoder(SAMPLE / "model", chat_template="plain")

@@ -179,16 +179,18 @@ class Conversations:
         return text
 
     def _each(self, message: dict, how) -> dict:
-        """Every string of a message marked, at any depth (a tool call's arguments, say, which templates render
-        too), but a standard role: templates compare it (role == 'tool'), and a seam mark (say, 'tool' inside a
-        '<tool_call>' token) would send the message down the wrong branch. Keys are looked up by name, so they
-        cannot be marked: a key that holds a special-token string is refused."""
+        """Every string of a message marked, but a standard role: templates compare it (role == 'tool'), and a
+        seam mark (say, 'tool' inside a '<tool_call>' token) would send the message down the wrong branch. Below the
+        top level (a tool call's name, id and arguments, which templates render, compare, measure and `tojson`) a
+        string is marked only when it holds a special-token string: seam marks there would change an id's length or
+        a compared value, and no template writes such values beside markup they could complete. Keys are looked up
+        by name, so they cannot be marked: a key that holds a special-token string is refused."""
         return {self._key(k): v if k == "role" and isinstance(v, str) and v in STANDARD_ROLES
-                else self._deep(v, how) for k, v in message.items()}
+                else how(v) if isinstance(v, str) else self._deep(v, how) for k, v in message.items()}
 
     def _deep(self, v, how):
         if isinstance(v, str):
-            return how(v)
+            return how(v) if self.guard.holds_special(v) else v
         if isinstance(v, (list, tuple)):  # a Parquet map arrives as a list of (key, value) tuples
             return type(v)(self._deep(x, how) for x in v)
         if isinstance(v, dict):
@@ -198,7 +200,7 @@ class Conversations:
     def _key(self, k):
         if isinstance(k, str) and self.guard.holds_special(k):
             raise InputError(f"a message holds the key {_shown(k)}, which holds a special-token string; keys are "
-                             "looked up by name, so they cannot be marked as text")
+                             "looked up by name, so they cannot be marked as text: rename the key or drop the field")
         return k
 
 
