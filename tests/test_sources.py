@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import json
 
 import pyarrow as pa
@@ -149,6 +150,22 @@ def test_damaged_gzip_data_scores_no_row_of_the_file(tmp_path):
         for c in read_chunks(p, ReadSpec(chunk_rows=100), render):
             got += c.texts
     assert len(got) == 1000
+
+
+def test_a_damaged_member_after_one_that_ends_at_a_read_boundary_is_found():
+    """gzip_damage reads in blocks: where a member ends exactly at a block's end, the next member's header is in the
+    next block, and it must still be checked (as must members after zero padding)."""
+    from policyscan.engine.inputs.jsonl import gzip_damage
+    first = gzip.compress(b'{"id": 1, "text": "a"}\n' * 50)
+    second = _flipped(gzip.compress(b'{"id": 2, "text": "b"}\n' * 50))
+
+    class Blocks(io.BytesIO):  # reads end where the first member does, as a 4 MiB block can
+        def read(self, n=-1):
+            return super().read(len(first) if self.tell() == 0 else n)
+
+    for gap in (b"", b"\0" * 3):
+        assert "damaged" in gzip_damage(Blocks(first + gap + second))
+        assert gzip_damage(Blocks(first + gap + gzip.compress(b"x\n"))) is None
 
 
 def _flipped(data: bytes) -> bytes:

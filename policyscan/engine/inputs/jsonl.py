@@ -93,20 +93,22 @@ def gzip_damage(raw: BinaryIO) -> str | None:
     if not raw.read(1):  # a writer that died before its first byte: an empty gzip file still has a header
         return "it is empty (0 bytes), not gzip data, which holds a header even for no lines"
     raw.seek(0)
-    while buf := raw.read(1 << 22):
-        while buf:
-            try:
-                d.decompress(buf, 1 << 24)  # bounded output: 1 MB of input can inflate to 1 GB
-                while d.unconsumed_tail:
-                    d.decompress(d.unconsumed_tail, 1 << 24)
-            except zlib.error as e:
-                return f"its gzip data is damaged ({e})"
-            buf = b""
-            if d.eof:  # a member ended: another may follow; anything else is trailing bytes
-                rest = d.unused_data
-                if not rest.startswith(b"\x1f\x8b"):
-                    return None
-                d, buf = zlib.decompressobj(wbits=31), rest
+    buf = b""
+    while buf or (buf := raw.read(1 << 22)):
+        try:
+            d.decompress(buf, 1 << 24)  # bounded output: 1 MB of input can inflate to 1 GB
+            while d.unconsumed_tail:
+                d.decompress(d.unconsumed_tail, 1 << 24)
+        except zlib.error as e:
+            return f"its gzip data is damaged ({e})"
+        buf = b""
+        if d.eof:  # a member ended: after zero padding another may follow, read on if the next bytes are short
+            rest = d.unused_data.lstrip(b"\0")
+            while len(rest) < 2 and (more := raw.read(1 << 22)):
+                rest = (rest + more).lstrip(b"\0")
+            if not rest.startswith(b"\x1f\x8b"):  # the end, or bytes that are not gzip: the reader names them
+                return None
+            d, buf = zlib.decompressobj(wbits=31), rest
     return None
 
 
