@@ -162,6 +162,9 @@ def test_rows_naming_other_policies_are_counted_in_a_note(tmp_path):
     src = tmp_path / "l.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = run("evaluate", src, "--policy", SAMPLE / "policies" / "pii", "--bootstrap", 0, "--max-length", 128)
-    assert "pii: 7 labeled rows name another policy in their 'policy' column and are left out ('PII' 3, " \
-           "'investment_advice' 3, 'None' 1)" in " ".join(res.output.split())
+    assert "pii: 7 labeled rows name no policy of this run in their 'policy' column and are left out ('PII' 3, " \
+           "'investment_advice' 3, 'null' 1)" in " ".join(res.output.split())
     assert "policy pii: 3 labeled rows" in res.output
+    both = run("evaluate", src, "--policy", SAMPLE / "policies" / "pii", "--policy",
+               SAMPLE / "policies" / "investment_advice", "--bootstrap", 0, "--max-length", 128).output
+    assert "4 labeled rows name no policy of this run" in " ".join(both.split()) and "'investment_advice' 3" not in both

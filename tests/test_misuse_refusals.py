@@ -135,6 +135,18 @@ def test_an_adapter_config_that_is_not_its_weights_is_refused(tmp_path):
                                                                                   "adapter_model.safetensors").names})
     cfg_path.write_text(json.dumps({**cfg, "layers_to_transform": layers}))
     load_policy(policy)
+    cfg_path.write_text(json.dumps({**cfg, "layers_to_transform": []}))  # PEFT's "every layer"
+    load_policy(policy)
+    # the regular expression meets the module paths of the model PEFT wrapped, as the tensor names give them: an
+    # adapter made on the bare decoder (LlamaModel, no "model." before "layers")
+    from safetensors.numpy import load_file, save_file
+    w = policy / "adapter_model.safetensors"
+    save_file({k.replace("base_model.model.model.", "base_model.model."): v for k, v in load_file(w).items()}, w)
+    cfg_path.write_text(json.dumps({**cfg, "target_modules": r"layers\.\d+\.(self_attn|mlp)\.\w+_proj"}))
+    load_policy(policy)
+    cfg_path.write_text(json.dumps({**cfg, "target_modules": r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj"}))
+    with pytest.raises(PolicyscanError, match=r"does not take layers\.0\."):
+        load_policy(policy)
 
 
 @pytest.mark.parametrize("key,value", [("alora_invocation_tokens", [5, 6]), ("use_qalora", True),

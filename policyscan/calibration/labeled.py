@@ -31,15 +31,15 @@ class Labeled:
     labels: list
     column: str
     score: str = "f"
-    others: dict = field(default_factory=dict)  # rows left out that name another policy (a `policy` column): counts
+    others: dict = field(default_factory=dict)  # rows whose `policy` names none of the run's policies: counts
 
     def others_note(self, name: str) -> str | None:
-        """A line saying which rows naming other policies were left out (a misspelt name among them shows)."""
+        """A line saying which rows were left out for naming none of the run's policies (a misspelt name shows)."""
         if not self.others:
             return None
         listed = ", ".join(f"{k!r} {n}" for k, n in sorted(self.others.items(), key=lambda kv: -kv[1])[:8])
-        return (f"{name}: {sum(self.others.values())} labeled rows name another policy in their 'policy' column and "
-                f"are left out ({listed})")
+        return (f"{name}: {sum(self.others.values())} labeled rows name no policy of this run in their 'policy' "
+                f"column and are left out ({listed})")
 
     def __post_init__(self) -> None:
         if not len(self.ids) == len(self.f) == len(self.labels):
@@ -81,8 +81,8 @@ def score_labeled_policies(engine: Engine, files: list[Path], spec: ReadSpec,
             for j, (name, column) in enumerate(zip(names, columns)):
                 rows = np.arange(len(chunk_ids)) if owner is None else \
                     np.array([k for k, o in enumerate(owner) if o == name], dtype=np.int64)
-                if owner is not None:
-                    others[j].update(str(o) for o in owner if o != name)
+                if owner is not None:  # names of this run's other policies are theirs, not left out
+                    others[j].update("null" if o is None else str(o) for o in owner if o not in names)
                 values = chunk.keep[column].to_pylist()
                 f[j].append(scores[rows, j])
                 ids[j] += [chunk_ids[k] for k in rows]

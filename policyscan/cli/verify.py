@@ -52,7 +52,8 @@ def verify(output: str, sample: int, device: str | None) -> None:
     check(meta, OUTPUT_METADATA, f"{out}: its metadata", PolicyscanError)  # damaged: one line, not a traceback
     held, recorded = stored_rows(out), recorded_rows(meta)
     if held != recorded:  # a sample of ids cannot find rows that are gone
-        click.echo(f"{out} holds {held} rows where its metadata records {recorded}: rows were removed or added since "
+        click.echo(f"{out} cannot be read to its end: it is damaged" if held is None else
+                   f"{out} holds {held} rows where its metadata records {recorded}: rows were removed or added since "
                    "it was written")
         sys.exit(EXIT_DIFFERS)
     _check_ids(out, meta)

@@ -124,7 +124,7 @@ def as_str(v) -> str | None:
     return v if v is None or isinstance(v, str) else json.dumps(v)
 
 
-def json_id(v, key: str) -> tuple[str | None, str | None]:
+def json_id(v: object, key: str) -> tuple[str | None, str | None]:
     """(the id as text, None) or (its text, why it cannot name the row): a JSON id must be a string or an integer.
     A null names no row; a float, true or false, a list or an object would be named by a text that other tools
     write differently (1.5 against 1.50, True against true)."""
@@ -139,10 +139,11 @@ def json_id(v, key: str) -> tuple[str | None, str | None]:
 
 
 def id_type_error(t: pa.DataType, col: str) -> str | None:
-    """Why a Parquet id column's type cannot hold ids, or None: strings or integers, as JSON ids."""
+    """Why a Parquet id column's type cannot hold ids, or None: strings or integers, as JSON ids (decimals of scale 0
+    are integers: Snowflake's and Spark's NUMBER(38, 0) keys)."""
     values = t.value_type if pa.types.is_dictionary(t) else t
     if (pa.types.is_string(values) or pa.types.is_large_string(values) or pa.types.is_string_view(values)
-            or pa.types.is_integer(values)):
+            or pa.types.is_integer(values) or (pa.types.is_decimal(values) and values.scale == 0)):
         return None
     return f"id column {col!r} has type {t}; ids must be strings or integers: name another column with --id-column"
 

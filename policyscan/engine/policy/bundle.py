@@ -110,6 +110,7 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
         raise PolicyError(f"{cfg_path}: modules_to_save={cfg['modules_to_save']} would change base weights; "
                           "policyscan only applies LoRA factors")
     factors: dict[tuple[int, str], list] = {}
+    modules: dict[tuple[int, str], str] = {}  # each factor's module path in the model PEFT wrapped
     weights = TensorFile(w_path)
     for name in weights.names:
         m = _KEY.search(name)
@@ -121,6 +122,7 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
             raise PolicyError(f"{w_path}: tensor {name!r} has shape {list(t.shape)}; a LoRA factor is a matrix")
         slot = factors.setdefault((int(m.group(1)), m.group(2)), [None, None])
         slot[0 if m.group(3) == "A" else 1] = _finite(t, w_path, name)
+        modules[(int(m.group(1)), m.group(2))] = name[:name.rindex(".lora_")].removeprefix("base_model.model.")
     alpha, rslora = float(cfg.get("lora_alpha", cfg.get("r", 8))), bool(cfg.get("use_rslora", False))
     out, scales = {}, {}
     for (layer, proj), (a, b) in factors.items():
@@ -130,7 +132,7 @@ def load_adapter(path: Path) -> tuple[LoraWeights, str | None]:
             raise PolicyError(f"{w_path}: layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
                               f"{tuple(b.shape)} disagree on the rank")
         r = a.shape[0]
-        _check_config_fits(cfg, cfg_path, w_path, layer, proj, r)
+        _check_config_fits(cfg, cfg_path, w_path, (layer, proj, modules[(layer, proj)]), r)
         al = _pattern(cfg.get("alpha_pattern") or {}, layer, proj, alpha, cfg_path, "alpha_pattern")
         scales[(layer, proj)] = al / math.sqrt(r) if rslora else al / r
         out[(layer, proj)] = (a, b)
@@ -155,30 +157,33 @@ def _finite(t: np.ndarray, w_path: Path, name: str) -> np.ndarray:
 
 
 # adapter_config.json keys under which PEFT computes something other than x + scale * B A x on the named projections
-# (DoRA, a bias on B, activated LoRA, QA-LoRA, replicated layers, trained token rows, LoRA on parameters)
+# (DoRA, a bias on B, activated LoRA, QA-LoRA, replicated layers, trained token rows, LoRA on parameters, and
+# PEFT's other LoRA variants: block-diagonal, KaSA, MonteCLoRA, Arrow routing)
 CHANGES_THE_PRODUCT = ("use_dora", "fan_in_fan_out", "lora_bias", "alora_invocation_tokens", "use_qalora",
-                       "layer_replication", "trainable_token_indices", "target_parameters")
+                       "layer_replication", "trainable_token_indices", "target_parameters", "use_bdlora",
+                       "kasa_config", "monteclora_config", "arrow_config")
 
 
-def _check_config_fits(cfg: dict, cfg_path: Path, w_path: Path, layer: int, proj: str, rank: int) -> None:
+def _check_config_fits(cfg: dict, cfg_path: Path, w_path: Path, where: tuple[int, str, str], rank: int) -> None:
     """adapter_config.json must describe the factors as PEFT would load them: their rank is r (or rank_pattern's),
     and their module is among target_modules. PEFT refuses an adapter that disagrees; scoring it would apply the
     config's scale to factors it does not describe."""
+    layer, proj, module = where  # module: the path PEFT matched, from the tensor's name
     r = _pattern(cfg.get("rank_pattern") or {}, layer, proj, cfg.get("r", 8), cfg_path, "rank_pattern")
     if r != rank:
         raise PolicyError(f"{cfg_path}: r (or rank_pattern) is {r:g} for layer {layer} {proj}, but its factors in "
                           f"{w_path} have rank {rank}; the config is not the weights': use the adapter's own "
                           "adapter_config.json")
     # a list names modules by their name or a path ending in it; a string is a regular expression PEFT matches
-    # against each whole module path, as a decoder of these projections names it (model.layers.N.self_attn.q_proj)
+    # against each whole module path; an empty layers_to_transform is PEFT's "every layer"
     targets = cfg.get("target_modules")
     named = (any(t == proj or t.endswith("." + proj) for t in targets) if isinstance(targets, list)
-             else _full_match(targets, _module(layer, proj), cfg_path) if isinstance(targets, str) else True)
-    layers = cfg.get("layers_to_transform")
+             else _full_match(targets, module, cfg_path) if isinstance(targets, str) else True)
+    layers = cfg.get("layers_to_transform") or None
     if not named or (layers is not None and layer not in ([layers] if isinstance(layers, int) else layers)):
         what = f"target_modules {targets!r}" if not named else f"layers_to_transform {layers}"
-        raise PolicyError(f"{cfg_path}: {what} does not take {_module(layer, proj)}, which {w_path} holds factors "
-                          "for, so PEFT would not apply them; the config is not the weights': use the adapter's own "
+        raise PolicyError(f"{cfg_path}: {what} does not take {module}, which {w_path} holds factors for, so PEFT "
+                          "would not apply them; the config is not the weights': use the adapter's own "
                           "adapter_config.json")
 
 
