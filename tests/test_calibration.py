@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_cases import run
 from click.testing import CliRunner
 
 from policyscan.calibration.labels import label_words_note, parse_labels
@@ -118,13 +119,40 @@ def test_calibrate_from_scores_matches_scoring(tmp_path, sample_slice):
     res = CliRunner().invoke(cli, ["score", str(labeled), "--policies", str(bundle),
                                    "--raw", "--keep", "pii", "-o", str(scores), "--no-progress"])
     assert res.exit_code == 0, res.output
-    t = pq.read_table(scores)
-    pq.write_table(t.rename_columns([c if c != "pii" else "label" for c in t.column_names]), scores)
-    a = CliRunner().invoke(cli, ["calibrate", str(scores), "--policy", str(bundle), "--from-scores", "--dry-run"])
+    a = CliRunner().invoke(cli, ["calibrate", str(scores), "--policy", str(bundle), "--from-scores", "--dry-run",
+                                 "--label-column", "pii"])
     b = CliRunner().invoke(cli, ["calibrate", str(labeled), "--policy", str(bundle),
                                  "--label-column", "pii", "--dry-run"])
     assert a.exit_code == b.exit_code == 0, a.output + b.output
     assert a.output.splitlines()[0] == b.output.splitlines()[0]  # same a, b from either route
+    assert "holds no policyscan metadata" not in a.output  # its metadata traces the scores to the policy
+
+
+def test_scores_of_another_adapter_or_not_finite_are_refused(tmp_path, sample_slice):
+    """--from-scores reads f that the output's metadata must trace to this policy (adapter, prompt, labels); a file
+    without metadata is read with a note; a score that is not finite is refused, not counted below every threshold."""
+    bundle = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
+    scores = tmp_path / "s.parquet"
+    run("score", sample_slice["labeled"], "--policies", bundle, "--raw", "--keep", "pii", "-o", scores,
+        "--no-progress")
+    prompt_only = shutil.copytree(bundle, tmp_path / "p" / "pii")
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (prompt_only / f).unlink()
+    for command in ("calibrate", "evaluate"):
+        res = CliRunner().invoke(cli, [command, str(scores), "--policy", str(prompt_only), "--from-scores",
+                                       "--label-column", "pii", "--dry-run"][:None if command == "calibrate" else -1])
+        assert res.exit_code == 1 and "scored with another adapter of policy 'pii'" in res.output, res.output
+    t = pq.read_table(scores)
+    f = t.column("f_pii").to_pylist()
+    f[4] = float("nan")
+    bare = tmp_path / "bare.parquet"
+    pq.write_table(t.set_column(t.column_names.index("f_pii"), "f_pii", pa.array(f)), bare)
+    res = CliRunner().invoke(cli, ["evaluate", str(bare), "--policy", str(bundle), "--from-scores",
+                                   "--label-column", "pii"])
+    assert res.exit_code == 1 and "f_pii holds 1 values that are not finite (row 4" in res.output, res.output
+    pq.write_table(t, bare)  # the same rows without the metadata
+    res = run("evaluate", bare, "--policy", bundle, "--from-scores", "--label-column", "pii", "--bootstrap", 0)
+    assert "bare.parquet holds no policyscan metadata" in " ".join(res.output.split())
 
 
 def test_calibrate_reports_bad_labels(tmp_path):

@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from cli_cases import SAMPLE
 
-from policyscan.engine.outputs.sinks import ScoreWriter, check_keep, commit_together, output_columns, read_metadata
+from policyscan.engine.outputs.columns import check_keep, output_columns
+from policyscan.engine.outputs.sinks import ScoreWriter, commit_together, read_metadata
 from policyscan.engine.settings import OptionError
 
 COLUMNS = ["id", "uid", "text", "p_pii", "f_pii", "flagged_pii", "truncated", "policy", "p", "f", "flagged", "note"]
@@ -58,6 +59,14 @@ CLASHES = [
     (["--keep", "flagged", "--layout", "long", "--flagged"], "--keep flagged collides with the output column",
      "drop --flagged"),
     (["--keep", "note", "--keep", "note"], "--keep note is given twice", "give each kept column once"),
+    # a column policyscan writes under another option: kept, it would pass for policyscan's own (f_pii without --raw
+    # for the scores --from-scores reads, policy and p in the wide layout for the long layout's)
+    (["--keep", "f_pii"], "--keep f_pii: 'f_pii' is a column policyscan writes under another option", "drop --keep"),
+    (["--keep", "p"], "--keep p: 'p' is a column policyscan writes under another option", "drop --keep p"),
+    (["--keep", "policy"], "'policy' is a column policyscan writes under another option", "drop --keep policy"),
+    (["--keep", "truncated"], "'truncated' is a column policyscan writes under another option", "drop --keep"),
+    (["--keep", "p_pii", "--layout", "long"], "'p_pii' is a column policyscan writes under another option",
+     "rename the input column"),
 ]
 
 
@@ -71,20 +80,14 @@ def test_a_kept_column_that_collides_is_a_usage_error_before_the_model_loads(tmp
     assert "Traceback" not in log and not out.exists() and seconds < 30
 
 
-def test_the_same_names_pass_where_the_output_has_no_such_column(tmp_path, logs):
-    """p and policy are free in the wide layout, p_pii in the long one, f_pii without --raw, truncated without
-    --mark-truncated: kept and written as they are in the input."""
+def test_a_column_no_score_output_holds_is_kept_as_it_is(tmp_path, logs):
     out = tmp_path / "o.parquet"
-    rc, log, _ = policyscan("score", logs, "-o", out, "--no-progress", "--id-column", "uid", "--keep", "p",
-                            "--keep", "policy", "--keep", "f_pii", "--keep", "truncated")
+    rc, log, _ = policyscan("score", logs, "-o", out, "--no-progress", "--id-column", "uid", "--keep", "note")
     assert rc == 0, log
     got = pq.read_table(out)
-    assert got.column_names == ["id", "p", "policy", "f_pii", "truncated", "p_investment_advice", "p_pii"]
+    assert got.column_names == ["id", "note", "p_investment_advice", "p_pii"]
     assert got.column("id").to_pylist() == ["uid0", "uid1", "uid2"]
-    assert got.column("truncated").to_pylist() == ["truncated0", "truncated1", "truncated2"]
-    rc, log, _ = policyscan("score", logs, "-o", tmp_path / "long.parquet", "--no-progress", "--layout", "long",
-                            "--keep", "p_pii")
-    assert rc == 0 and pq.read_table(tmp_path / "long.parquet").column("p_pii").to_pylist()[:2] == ["p_pii0"] * 2
+    assert got.column("note").to_pylist() == ["note0", "note1", "note2"]
 
 
 def test_ray_and_worker_runs_refuse_a_collision_before_scoring(tmp_path, logs):

@@ -15,6 +15,8 @@ from policyscan.engine.errors import InputError
 from policyscan.engine.files import check_regular
 from policyscan.engine.inputs.jsonl import parsed_lines
 from policyscan.engine.inputs.sources import ReadSpec, read_chunks
+from policyscan.engine.outputs.sinks import read_metadata
+from policyscan.engine.policy.bundle import Policy
 from policyscan.engine.run.pipeline import encode_chunk
 from policyscan.engine.run.runner import Engine
 
@@ -32,14 +34,20 @@ class Labeled:
     column: str
     score: str = "f"
     others: dict = field(default_factory=dict)  # rows whose `policy` names none of the run's policies: counts
+    unverified: tuple = ()  # score files read without policyscan metadata: where their f came from is unknown
 
-    def others_note(self, name: str) -> str | None:
-        """A line saying which rows were left out for naming none of the run's policies (a misspelt name shows)."""
-        if not self.others:
-            return None
-        listed = ", ".join(f"{k!r} {n}" for k, n in sorted(self.others.items(), key=lambda kv: -kv[1])[:8])
-        return (f"{name}: {sum(self.others.values())} labeled rows name no policy of this run in their 'policy' "
-                f"column and are left out ({listed})")
+    def notes(self, name: str) -> list[str]:
+        """Lines to print: rows left out for naming none of the run's policies (a misspelt name shows), and score
+        files whose scores could not be traced to the policy."""
+        out = []
+        if self.others:
+            listed = ", ".join(f"{k!r} {n}" for k, n in sorted(self.others.items(), key=lambda kv: -kv[1])[:8])
+            out.append(f"{name}: {sum(self.others.values())} labeled rows name no policy of this run in their "
+                       f"'policy' column and are left out ({listed})")
+        if self.unverified:
+            out.append(f"{name}: {', '.join(self.unverified)} holds no policyscan metadata, so whether its scores are "
+                       "this policy's (its adapter, prompt and labels) cannot be checked")
+        return out
 
     def __post_init__(self) -> None:
         if not len(self.ids) == len(self.f) == len(self.labels):
@@ -132,11 +140,17 @@ def guess_label_column(path: Path, policy_name: str) -> str:
     raise InputError(f"{path}: no label column ('label' or {policy_name!r}) among {names}; pass --label-column")
 
 
-def read_scores(files: list[Path], name: str, label_column: str | None, prefixes: tuple[str, ...] = ("f",)) -> Labeled:
+def read_scores(files: list[Path], policy: Policy, label_column: str | None,
+                prefixes: tuple[str, ...] = ("f",)) -> Labeled:
     """id, the scores and the labels (`label`, else the policy's name) from `score --raw --keep LABEL` outputs (wide
     or long layout): the first of `prefixes` the files hold (f_<name>, or p_<name> for "p"; f, p in the long
-    layout)."""
+    layout). An output whose metadata records the policy with another adapter, prompt or labels is refused: its
+    scores are another policy's; a file without metadata is read and named in the notes. Scores that are not
+    finite are refused (a NaN would count as a row below every threshold)."""
     import polars as pl
+
+    name = policy.name
+    unverified = tuple(str(p) for p in files if not _scores_of(p, policy))
 
     frames = [pl.read_parquet(p) if p.name.endswith(".parquet") else pl.read_ndjson(p) for p in files]
     df = pl.concat(frames, how="diagonal_relaxed")
@@ -148,8 +162,30 @@ def read_scores(files: list[Path], name: str, label_column: str | None, prefixes
         if need not in df.columns:
             raise InputError(f"{files[0]}: no column {need!r} among {df.columns}; score with --raw "
                              f"--keep {col} to make calibration input")
-    return Labeled(df["id"].to_list(), df[f"{prefix}_{name}"].cast(pl.Float64).to_numpy(), df[col].to_list(), col,
-                   prefix)
+    scores = df[f"{prefix}_{name}"].cast(pl.Float64).to_numpy()
+    if not np.isfinite(scores).all():
+        k = int(np.flatnonzero(~np.isfinite(scores))[0])
+        raise InputError(f"{prefix}_{name} holds {int((~np.isfinite(scores)).sum())} values that are not finite "
+                         f"(row {k}, id {df['id'][k]!r}: {scores[k]}); scores written by policyscan are finite")
+    return Labeled(df["id"].to_list(), scores, df[col].to_list(), col, prefix, unverified=unverified)
+
+
+def _scores_of(path: Path, policy: Policy) -> bool:
+    """Whether `path`'s metadata traces its scores to `policy` (False: it has none); raises InputError where it
+    records the policy with another adapter, prompt or labels, or records no such policy."""
+    meta = read_metadata(path)
+    if meta is None or "policies" not in meta:  # no metadata, or another command's (a review queue's)
+        return False
+    rec = next((r for r in meta.get("policies") or [] if isinstance(r, dict) and r.get("name") == policy.name), None)
+    if rec is None:
+        raise InputError(f"{path}: its metadata records no policy {policy.name!r}; its scores are not this policy's")
+    was = [rec.get("adapter_sha256"), rec.get("prefix"), rec.get("suffix"), rec.get("labels")]
+    now = [policy.adapter_sha256, policy.prefix, policy.suffix, [policy.compliant, policy.violation]]
+    for what, a, b in zip(("adapter", "prompt prefix", "prompt suffix", "labels"), was, now):
+        if a != b:
+            raise InputError(f"{path}: scored with another {what} of policy {policy.name!r} than {policy.path} holds "
+                             "now; its scores are not this policy's: score the labeled data again")
+    return True
 
 
 @dataclass(frozen=True)

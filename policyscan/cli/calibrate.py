@@ -76,7 +76,7 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
     policy = load_policy(policy_dir)
     files = input_files(list(labeled))
     if from_scores:
-        data = read_scores(files, policy.name, label_column)
+        data = read_scores(files, policy, label_column)
     else:
         spec = ReadSpec(text_column, messages_column, id_column, max_chars=clip_chars(max_length))
         model_dir = Path(model or default_model())
@@ -86,7 +86,7 @@ def calibrate(labeled, policy_dir, label_column, from_scores, holdout, plot, dry
                                   fp8_flip_limit=fp8_flip_limit)
         data = score_labeled(Engine(model_dir, [policy], settings), files, spec, label_column)
     y, bad = parse_labels(data.labels, policy.compliant, policy.violation)
-    for note in (label_words_note(policy.name, policy.compliant, policy.violation), data.others_note(policy.name)):
+    for note in (label_words_note(policy.name, policy.compliant, policy.violation), *data.notes(policy.name)):
         if note:
             click.echo(f"note: {note}", err=True)
     if bad:

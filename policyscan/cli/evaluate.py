@@ -94,7 +94,7 @@ def evaluate(labeled, policy_dirs, label_column, from_scores, target_recall, tar
     run: dict = {"model": None, "device": None, "precision": None}
     bf16 = None
     if from_scores:
-        data = [read_scores(files, p.name, label_column, ("f", "p")) for p in policies]
+        data = [read_scores(files, p, label_column, ("f", "p")) for p in policies]
         for pol, d in zip(policies, data):
             if d.score == "p":
                 click.echo(f"{pol.name}: no f_{pol.name} column (score --raw): p_{pol.name} is read as it was "
@@ -119,7 +119,7 @@ def evaluate(labeled, policy_dirs, label_column, from_scores, target_recall, tar
     results = {}
     for j, (pol, d, p) in enumerate(zip(policies, data, scores)):
         y, bad = parse_labels(d.labels, pol.compliant, pol.violation)
-        for note in (label_words_note(pol.name, pol.compliant, pol.violation), d.others_note(pol.name)):
+        for note in (label_words_note(pol.name, pol.compliant, pol.violation), *d.notes(pol.name)):
             if note:
                 click.echo(f"note: {note}", err=True)
         if bad:

@@ -36,7 +36,7 @@ from policyscan.engine.inputs.rows import ReadSpec, clip_chars
 from policyscan.engine.model.config import ModelConfig, read_config
 from policyscan.engine.outputs.accounting import Accounting, OutputSpec
 from policyscan.engine.outputs.run_output import run_key, up_to_date
-from policyscan.engine.outputs.sinks import check_keep, output_columns
+from policyscan.engine.outputs.columns import check_keep, reserved_columns
 from policyscan.engine.parallel.workers import WorkerConfig, WorkerPool, parse_devices
 from policyscan.engine.parallel.workers_run import score_inputs_workers
 from policyscan.engine.policy.bundle import Policy, load_policies
@@ -104,7 +104,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
         _check_no_address_among(inputs)
     # --keep's clashes but those with p_/f_/flagged_<policy>, before the inputs are listed or torch is imported;
     # those once the policies are read
-    check_keep(keep, id_column, output_columns([], layout, raw, flagged, truncation))
+    check_keep(keep, id_column, reserved_columns([], layout, raw, flagged, truncation))
     preload_arrow()  # first, so that its imports are done before the model load's thousands of GPU calls
     named = named_input_files(list(inputs))
     files = [f for f, _ in named]
@@ -125,7 +125,7 @@ def score(inputs, output, model, policies, text_column, messages_column, chat_te
     # delayed the workers: docs/performance.md); pool.expect checks that the workers read the same policies
     with WorkerPool(WorkerConfig(model_dir, bundles, settings, slots)) if slots else contextlib.nullcontext() as pool:
         pols = load_policies(list(bundles))
-        check_keep(keep, id_column, output_columns([p.name for p in pols], layout, raw, flagged, truncation))
+        check_keep(keep, id_column, reserved_columns([p.name for p in pols], layout, raw, flagged, truncation))
         jobs = plan_jobs(named, output, per_input, fmt, errors_path)
         check_jobs(jobs, protected_files(files, model_dir, [p.path for p in pols]), folders_made_later=per_input)
         resolve_chat_template(model_dir, chat_template, pols, files, spec, text_is_rendered)

@@ -28,7 +28,7 @@ from policyscan.engine.inputs.rows import Chunk, ReadSpec
 from policyscan.engine.inputs.units import Unit, plan_units
 from policyscan.engine.outputs.accounting import Accounting, OutputSpec, file_failure, row_error
 from policyscan.engine.outputs.run_output import Job, RunOutput, run_key, up_to_date
-from policyscan.engine.outputs.sinks import check_keep
+from policyscan.engine.outputs.columns import check_keep
 from policyscan.engine.parallel.workers_proc import Failed
 from policyscan.engine.policy.bundle import Policy
 from policyscan.engine.settings import EngineSettings

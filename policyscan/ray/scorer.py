@@ -18,7 +18,7 @@ import pyarrow as pa
 from policyscan.engine.errors import InputError
 from policyscan.engine.inputs.rows import Chunk, ReadSpec, clip, clip_chars, conversation, pick_column
 from policyscan.engine.outputs.accounting import Accounting
-from policyscan.engine.outputs.sinks import check_keep
+from policyscan.engine.outputs.columns import check_keep
 from policyscan.engine.parallel.workers_proc import Recorder
 from policyscan.engine.policy.bundle import Policy, load_policies
 from policyscan.engine.run.pipeline import encode_chunk, score_chunk

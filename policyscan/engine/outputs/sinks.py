@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.files import open_regular
-from policyscan.engine.settings import OptionError
+from policyscan.engine.outputs.columns import check_keep, output_columns
 
 META_KEY = b"policyscan"
 ERROR_KEYS = {"file", "row", "line", "id", "reason"}
@@ -27,44 +27,6 @@ _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|bak)-(?P<pid>\d+)")
 def temp_path(path: Path, kind: str = "tmp") -> Path:
     """Where `path` is written before its commit: a hidden name of this process, which remove_leftovers knows."""
     return path.with_name(f".{path.name}.{kind}-{os.getpid()}")
-
-
-def output_columns(policies: list[str], layout: str, raw: bool, flagged: bool, truncation: bool) -> dict[str, str]:
-    """The columns ScoreWriter writes after `id` and the kept columns, in order, each with what puts it there."""
-    if layout == "long":
-        on = {"policy": "--layout long", "p": "--layout long", "f": raw and "--raw", "flagged": flagged and "--flagged",
-              "truncated": truncation and "--mark-truncated"}
-        return {c: why for c, why in on.items() if why}
-    cols = {f"p_{n}": f"the probability of policy {n!r}" for n in policies}
-    cols.update({f"f_{n}": "--raw" for n in policies if raw})
-    cols.update({f"flagged_{n}": "--flagged" for n in policies if flagged})
-    return {**cols, **({"truncated": "--mark-truncated"} if truncation else {})}
-
-
-def check_keep(keep: tuple[str, ...] | list[str], id_column: str | None, columns: dict[str, str]) -> None:
-    """--keep against the output's own columns (output_columns): a kept column of the same name would replace, or be
-    replaced by, the ids or the scores, so each clash is refused before anything is scored, as is a column kept
-    twice (a slip for another column more often than not) or the id column kept again."""
-    seen: set[str] = set()
-    for k in keep:
-        if k in seen:
-            raise OptionError(f"--keep {k} is given twice; give each kept column once")
-        seen.add(k)
-        if k == "id" and id_column not in (None, "id"):
-            raise OptionError(f"--keep id collides with the output column 'id', which holds the ids of --id-column "
-                              f"{id_column}: the rows would get the kept values as their ids; rename the input "
-                              "column 'id', or drop --keep id")
-        if k == "id":
-            raise OptionError("--keep id: 'id' is the output column of the ids (the input's 'id' column unless "
-                              "--id-column names another); drop --keep id")
-        if k == id_column:
-            raise OptionError(f"--keep {k}: {k!r} is the id column (--id-column {k}), already written as the "
-                              f"output column 'id'; drop --keep {k}")
-        if k in columns:
-            why = columns[k]
-            fixes = [f"rename the input column {k!r}", f"drop --keep {k}"] + ([f"drop {why}"] * why.startswith("--"))
-            raise OptionError(f"--keep {k} collides with the output column {k!r} ({why}): one would replace the "
-                              f"other; {', '.join(fixes[:-1])} or {fixes[-1]}")
 
 
 class ScoreWriter:
