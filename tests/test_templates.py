@@ -83,6 +83,24 @@ def test_a_policy_names_its_template_relative_to_its_bundle_and_policies_must_ag
     assert choose_template(model, cfg, "plain", [load_policy(guard), keyless]).origin == "plain"  # the option wins
 
 
+def test_a_policys_template_must_lie_in_its_folder(tmp_path):
+    """A policy.json that names a file outside its folder (a path up and out, an absolute one, a link inside that
+    points out) would score every row on that file's text: refused, naming where it leads."""
+    model = _model(tmp_path, "M{{ messages[0].content }}")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    outside = tmp_path / "elsewhere.jinja"
+    outside.write_text("{{ messages[0].content }} and more")
+    for name, value in (("up", "../elsewhere.jinja"), ("absolute", str(outside)), ("link", "linked.jinja")):
+        bundle = _bundle(tmp_path, name, chat_template=value)
+        (bundle / "linked.jinja").symlink_to(outside)
+        with pytest.raises(TemplateChoiceError, match=rf"names {outside}, outside the policy's folder"):
+            choose_template(model, cfg, None, [load_policy(bundle)])
+    inside = _bundle(tmp_path, "inside", chat_template="sub/t.jinja")
+    (inside / "sub").mkdir()
+    (inside / "sub" / "t.jinja").write_text("T{{ messages[0].content }}")
+    assert choose_template(model, cfg, None, [load_policy(inside)]).render(MESSAGES) == "Thi"
+
+
 def _score(*args) -> object:
     return CliRunner().invoke(cli, ["score", *map(str, args), "--no-progress", "--device", "cpu"])
 

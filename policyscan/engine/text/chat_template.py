@@ -98,8 +98,9 @@ def choose_template(model_dir: Path, tokenizer_config: dict, choice: str | None,
     shipped = model_templates(model_dir, tokenizer_config)
     if choice is not None:
         return _named(choice, Path.cwd(), shipped, eos, "--chat-template")
-    wanted = {p.name: (_named(p.chat_template, p.path, shipped, eos, f"policy {p.name!r} ({p.path}) chat_template")
-                       if p.chat_template is not None else _default(shipped, eos)) for p in policies}
+    wanted = {p.name: (_named(p.chat_template, p.path, shipped, eos, f"policy {p.name!r} ({p.path}) chat_template",
+                              inside=True) if p.chat_template is not None else _default(shipped, eos))
+              for p in policies}
     if not any(p.chat_template is not None for p in policies):
         return _default(shipped, eos)
     distinct = {t.sha256 if t else "none": t for t in wanted.values()}
@@ -115,11 +116,16 @@ def _default(shipped: dict[str, tuple[str, str]], eos: str) -> ChatTemplate | No
     return ChatTemplate(*shipped["default"], eos) if "default" in shipped else None
 
 
-def _named(value: str, base: Path, shipped: dict[str, tuple[str, str]], eos: str, what: str) -> ChatTemplate:
-    """plain, a file (relative to `base`), or the name of one of the model's templates."""
+def _named(value: str, base: Path, shipped: dict[str, tuple[str, str]], eos: str, what: str,
+           inside: bool = False) -> ChatTemplate:
+    """plain, a file (relative to `base`; with `inside`, a policy's, it must lie in that folder, links resolved), or
+    the name of one of the model's templates."""
     if value == PLAIN:
         return ChatTemplate(None, PLAIN, eos)
     path = base / value
+    if inside and path.exists() and not path.resolve().is_relative_to(base.resolve()):
+        raise TemplateChoiceError(f"{what} {value!r} names {path.resolve()}, outside the policy's folder; a policy's "
+                                  "template is a Jinja file in its folder, a name of the model's templates, or plain")
     if path.is_file():
         return ChatTemplate(path.read_text(encoding="utf-8"), str(path.resolve()), eos)
     if value in shipped:
