@@ -152,3 +152,22 @@ def test_a_byte_order_mark_at_the_start_is_not_part_of_the_first_row(tmp_path):
     assert [(r[1], r[2], r[3]) for r in got] == [("a", "first", None), ("b", "\ufeffsecond", None)]
     ranged = list(read_jsonl_range(p, ReadSpec(), render, 0, p.stat().st_size, 1, 0, ("text", False)))
     assert [t for c in ranged for t in c.texts] == ["first", "\ufeffsecond"]
+
+
+def test_a_struct_that_names_a_field_twice_is_its_files_error(tmp_path):
+    """A messages struct <role, content, content>, at any depth of a column read (the conversation, the id, a kept
+    column): which field holds the data cannot be told, so the file is refused, naming the column and the field."""
+    role, c1, c2 = pa.array(["user"]), pa.array(["a violation"]), pa.array(["hello"])
+    twice = pa.StructArray.from_arrays([role, c1, c2], fields=[pa.field("role", pa.string()),
+                                                               pa.field("content", pa.string()),
+                                                               pa.field("content", pa.string())])
+    messages = pa.ListArray.from_arrays(pa.array([0, 1], pa.int32()), twice)
+    p = tmp_path / "m.parquet"
+    pq.write_table(pa.table({"id": ["a"], "messages": messages}), p)
+    with pytest.raises(InputError, match=r"column 'messages' holds a struct that names the field 'content' twice"):
+        rows(p)
+    pq.write_table(pa.table({"id": ["a"], "text": ["hi"], "meta": pa.array([[{"k": 1}]]).cast(
+        pa.list_(pa.struct([("k", pa.int64())]))), "bad": messages}), p)
+    assert rows(p, ReadSpec(keep=("meta",)))[0][3] is None  # a column not read is not looked at
+    with pytest.raises(InputError, match=r"column 'bad' holds a struct"):
+        rows(p, ReadSpec(keep=("bad",)))

@@ -78,6 +78,10 @@ def parquet_layout(path: Path, spec: ReadSpec) -> ParquetLayout:
             raise InputError(f"{path}: no column {c!r}; it has {schema.names}")
     if id_col and (bad := id_type_error(schema.field(id_col).type, id_col)):
         raise InputError(f"{path}: {bad}")
+    for c in dict.fromkeys([col] + ([id_col] if id_col else []) + list(spec.keep)):
+        if (twice := _repeated_field(schema.field(c).type)) is not None:
+            raise InputError(f"{path}: column {c!r} holds a struct that names the field {twice!r} twice; which one "
+                             "holds the data cannot be told: write the file with distinct field names")
     type_error = None if is_messages else _text_type_error(schema.field(col).type, col)
     wanted = tuple(dict.fromkeys([col] + ([id_col] if id_col else []) + list(spec.keep)))
     return ParquetLayout(pf, col, is_messages, id_col, type_error, wanted)
@@ -142,6 +146,24 @@ def lost_rows(path: Path, row: int, count: int, reason: str, schema: pa.Schema, 
     ids = pa.nulls(count, schema.field(id_col).type) if id_col else _row_names(path, row, count)
     return Chunk(str(path), row, ids, [None] * count, [reason] * count, None,
                  {k: pa.nulls(count, schema.field(k).type) for k in keep})
+
+
+def _repeated_field(t: pa.DataType) -> str | None:
+    """A field name that a struct inside `t` (at any depth: lists, maps, dictionaries) gives twice, or None."""
+    if pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        if (twice := next((n for n, k in Counter(names).items() if k > 1), None)) is not None:
+            return twice
+        inner = [t.field(i).type for i in range(t.num_fields)]
+    elif pa.types.is_map(t):
+        inner = [t.key_type, t.item_type]
+    elif pa.types.is_dictionary(t):
+        inner = [t.value_type]
+    elif hasattr(t, "value_type"):  # list, large_list, fixed-size and view lists
+        inner = [t.value_type]
+    else:
+        return None
+    return next((r for x in inner if (r := _repeated_field(x)) is not None), None)
 
 
 def _row_names(path: Path, first: int, count: int) -> pa.Array:
