@@ -232,3 +232,17 @@ def test_a_foreign_file_where_a_jsonl_outputs_metadata_goes_is_refused(tmp_path)
     run("score", src, "-o", out, *CPU)
     run("score", src, "-o", out, *CPU)  # its own metadata from the run before
     assert json.loads(notes.read_text())["accounting"]["rows_scored"] == 1
+
+
+def test_an_input_whose_name_is_not_utf8_gets_an_output_name_or_a_usage_error(tmp_path):
+    """-o DIR/ names each output after its input: from a name whose bytes are not UTF-8 Arrow cannot make a file,
+    so the run is refused before scoring, naming it; the same input scores into an output named with -o."""
+    arch = tmp_path / "arch"
+    arch.mkdir()
+    bad = arch / b"bad\xff.jsonl".decode("utf-8", "surrogateescape")
+    bad.write_text(json.dumps({"id": "a", "text": "user: hi"}) + "\n")
+    res = run("score", arch, "-o", f"{tmp_path / 'out'}/", *CPU, ok=(2,))
+    assert "bad\\xff.scores.parquet has a name that is not UTF-8" in " ".join(res.output.split())
+    assert "Traceback" not in res.output
+    res = run("score", bad, "-o", tmp_path / "named.parquet", *CPU)
+    assert "rows in 1 = scored 1" in res.output

@@ -76,6 +76,13 @@ def check_jobs(jobs: list[Job], protected: dict[Path, str], folders_made_later: 
         writes += [(job.target, "output"), (job.errors, "errors file")]
         if job.target.name.endswith((".jsonl", ".jsonl.gz")):
             writes.append((meta_path(job.target), "metadata file"))
+    for path, what in writes:  # a name made from an input's bytes that are not UTF-8: Arrow cannot open it
+        try:
+            str(path).encode("utf-8")
+        except UnicodeEncodeError:
+            shown = str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise click.UsageError(f"{what} {shown} has a name that is not UTF-8 (its input's name, as found, holds "
+                                   "bytes that are not): rename that input, or name the output with -o") from None
     for path, what in writes:  # first: nothing below opens, or resolves, a path that is not a file
         if (kind := not_regular(path)) not in (None, MISSING):
             raise click.UsageError(f"{what} {path} is {kind}; policyscan writes only new or regular files: "
