@@ -205,16 +205,16 @@ def test_a_jsonl_output_is_json_whatever_floats_the_kept_columns_hold(tmp_path):
     """JSON has no NaN: a kept value that is one is written as its text, and every line parses. (An id column of
     floats is refused: tests/test_misuse_ids.py.)"""
     src = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": ["a", "b"], "text": ["hi", "there"], "f": [1.5, float("nan")],
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["hi", "there"], "x": [1.5, float("nan")],
                              "k": [[1.0, float("inf")], [2.0]]}), src)
     out = tmp_path / "o.jsonl"
-    run("score", src, "-o", out, "--keep", "f", "--keep", "k", *CPU)
+    run("score", src, "-o", out, "--keep", "x", "--keep", "k", *CPU)
 
     def refuse(name):
         raise AssertionError(f"{name} in a JSONL output")
 
     rows = [json.loads(line, parse_constant=refuse) for line in out.read_text().splitlines()]
-    assert [(r["id"], r["f"], r["k"]) for r in rows] == [("a", 1.5, [1.0, "inf"]), ("b", "nan", [2.0])]
+    assert [(r["id"], r["x"], r["k"]) for r in rows] == [("a", 1.5, [1.0, "inf"]), ("b", "nan", [2.0])]
 
 
 def test_a_foreign_file_where_a_jsonl_outputs_metadata_goes_is_refused(tmp_path):
