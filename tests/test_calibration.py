@@ -125,7 +125,7 @@ def test_calibrate_from_scores_matches_scoring(tmp_path, sample_slice):
                                  "--label-column", "pii", "--dry-run"])
     assert a.exit_code == b.exit_code == 0, a.output + b.output
     assert a.output.splitlines()[0] == b.output.splitlines()[0]  # same a, b from either route
-    assert "holds no policyscan metadata" not in a.output  # its metadata traces the scores to the policy
+    assert "holds no score output's metadata" not in a.output  # its metadata traces the scores to the policy
 
 
 def test_scores_of_another_adapter_or_not_finite_are_refused(tmp_path, sample_slice):
@@ -149,10 +149,11 @@ def test_scores_of_another_adapter_or_not_finite_are_refused(tmp_path, sample_sl
     pq.write_table(t.set_column(t.column_names.index("f_pii"), "f_pii", pa.array(f)), bare)
     res = CliRunner().invoke(cli, ["evaluate", str(bare), "--policy", str(bundle), "--from-scores",
                                    "--label-column", "pii"])
-    assert res.exit_code == 1 and "f_pii holds 1 values that are not finite (row 4" in res.output, res.output
+    assert res.exit_code == 1 and "bare.parquet, row 4 (id" in res.output and "its f_pii is nan, not a finite score" \
+        in res.output, res.output
     pq.write_table(t, bare)  # the same rows without the metadata
     res = run("evaluate", bare, "--policy", bundle, "--from-scores", "--label-column", "pii", "--bootstrap", 0)
-    assert "bare.parquet holds no policyscan metadata" in " ".join(res.output.split())
+    assert "bare.parquet holds no score output's metadata" in " ".join(res.output.split())
 
 
 def test_calibrate_reports_bad_labels(tmp_path):
@@ -198,3 +199,22 @@ def test_calibrate_names_a_labeled_row_the_tokenizer_drops(tmp_path):
         score_labeled(engine, [src], ReadSpec(), "label")
     with pytest.raises(ValueError, match="conversation 1 encodes to no tokens"):
         engine.score_conversations([np.array([5, 6]), np.array([], dtype=np.int64)])
+
+
+def test_scores_an_older_policyscan_kept_from_the_input_are_refused(tmp_path, sample_slice):
+    """Before --keep refused the names of score columns, an input's own f_pii could be kept into an output: its
+    metadata lists it under read.keep, and --from-scores refuses to take it for the policy's scores."""
+    bundle = shutil.copytree(SAMPLE / "policies" / "pii", tmp_path / "pii")
+    out = tmp_path / "s.parquet"
+    run("score", sample_slice["labeled"], "--policies", bundle, "--keep", "pii", "-o", out, "--no-progress")
+    t = pq.read_table(out)
+    kv = pq.ParquetFile(out).metadata.metadata
+    meta = json.loads(kv[b"policyscan"])
+    meta["read"]["keep"] = ["pii", "f_pii"]
+    forged = t.append_column("f_pii", pa.array(np.zeros(t.num_rows)))
+    with pq.ParquetWriter(out, forged.schema) as w:
+        w.write_table(forged)
+        w.add_key_value_metadata({b"policyscan": json.dumps(meta).encode()})
+    res = CliRunner().invoke(cli, ["calibrate", str(out), "--policy", str(bundle), "--from-scores",
+                                   "--label-column", "pii", "--dry-run"])
+    assert res.exit_code == 1 and "its column 'f_pii' is an input column kept with --keep" in res.output, res.output

@@ -242,7 +242,8 @@ def test_an_input_whose_name_is_not_utf8_gets_an_output_name_or_a_usage_error(tm
     bad = arch / b"bad\xff.jsonl".decode("utf-8", "surrogateescape")
     bad.write_text(json.dumps({"id": "a", "text": "user: hi"}) + "\n")
     res = run("score", arch, "-o", f"{tmp_path / 'out'}/", *CPU, ok=(2,))
-    assert "bad\\xff.scores.parquet has a name that is not UTF-8" in " ".join(res.output.split())
+    assert "bad\\xff.scores.parquet has a name that is not UTF-8, which Arrow cannot write" in " ".join(
+        res.output.split())
     assert "Traceback" not in res.output
     res = run("score", bad, "-o", tmp_path / "named.parquet", *CPU)
     assert "rows in 1 = scored 1" in res.output

@@ -20,6 +20,7 @@ from policyscan.engine.policy.bundle import Policy
 from policyscan.engine.run.pipeline import encode_chunk
 from policyscan.engine.run.runner import Engine
 
+_FILE, _ROW = "__policyscan_file", "__policyscan_row"  # where a row of read_scores came from
 POLICY_COLUMN = "policy"  # in labeled data: the policy a row's label is for (the long layout)
 
 
@@ -45,8 +46,9 @@ class Labeled:
             out.append(f"{name}: {sum(self.others.values())} labeled rows name no policy of this run in their "
                        f"'policy' column and are left out ({listed})")
         if self.unverified:
-            out.append(f"{name}: {', '.join(self.unverified)} holds no policyscan metadata, so whether its scores are "
-                       "this policy's (its adapter, prompt and labels) cannot be checked")
+            out.append(f"{name}: {', '.join(self.unverified)} holds no score output's metadata (a file made by hand, "
+                       "or a review queue), so whether its scores are this policy's (its adapter, prompt and labels) "
+                       "cannot be checked")
         return out
 
     def __post_init__(self) -> None:
@@ -152,10 +154,12 @@ def read_scores(files: list[Path], policy: Policy, label_column: str | None,
     name = policy.name
     unverified = tuple(str(p) for p in files if not _scores_of(p, policy))
 
-    frames = [pl.read_parquet(p) if p.name.endswith(".parquet") else pl.read_ndjson(p) for p in files]
+    frames = [(pl.read_parquet(p) if p.name.endswith(".parquet") else pl.read_ndjson(p)).with_columns(
+        pl.lit(str(p)).alias(_FILE), pl.int_range(pl.len()).alias(_ROW)) for p in files]
     df = pl.concat(frames, how="diagonal_relaxed")
     col = label_column or ("label" if "label" in df.columns or name not in df.columns else name)
-    if POLICY_COLUMN in df.columns and any(k in df.columns for k in prefixes):  # --layout long
+    long = POLICY_COLUMN in df.columns and any(k in df.columns for k in prefixes)  # --layout long
+    if long:
         df = df.filter(pl.col(POLICY_COLUMN) == name).rename({k: f"{k}_{name}" for k in prefixes if k in df.columns})
     prefix = next((k for k in prefixes if f"{k}_{name}" in df.columns), prefixes[0])
     for need in ("id", f"{prefix}_{name}", col):
@@ -163,10 +167,12 @@ def read_scores(files: list[Path], policy: Policy, label_column: str | None,
             raise InputError(f"{files[0]}: no column {need!r} among {df.columns}; score with --raw "
                              f"--keep {col} to make calibration input")
     scores = df[f"{prefix}_{name}"].cast(pl.Float64).to_numpy()
-    if not np.isfinite(scores).all():
+    if not np.isfinite(scores).all():  # NaN also where a file lacks the column: its rows have no score
         k = int(np.flatnonzero(~np.isfinite(scores))[0])
-        raise InputError(f"{prefix}_{name} holds {int((~np.isfinite(scores)).sum())} values that are not finite "
-                         f"(row {k}, id {df['id'][k]!r}: {scores[k]}); scores written by policyscan are finite")
+        column = prefix if long else f"{prefix}_{name}"
+        raise InputError(f"{df[_FILE][k]}, row {df[_ROW][k]} (id {df['id'][k]!r}): its {column} is {scores[k]}, not "
+                         f"a finite score, as are {int((~np.isfinite(scores)).sum()) - 1} more rows; scores written by "
+                         "policyscan are finite")
     return Labeled(df["id"].to_list(), scores, df[col].to_list(), col, prefix, unverified=unverified)
 
 
@@ -178,7 +184,13 @@ def _scores_of(path: Path, policy: Policy) -> bool:
         return False
     rec = next((r for r in meta.get("policies") or [] if isinstance(r, dict) and r.get("name") == policy.name), None)
     if rec is None:
-        raise InputError(f"{path}: its metadata records no policy {policy.name!r}; its scores are not this policy's")
+        raise InputError(f"{path}: its metadata records no policy {policy.name!r}; its scores are not this policy's: "
+                         "give each policy the outputs that scored it")
+    name = policy.name
+    kept = set((meta.get("read") or {}).get("keep") or ())
+    if hits := sorted(kept & {f"f_{name}", f"p_{name}", "f", "p"}):  # before --keep refused them
+        raise InputError(f"{path}: its column {hits[0]!r} is an input column kept with --keep, not policyscan's "
+                         "scores; score the labeled data again")
     was = [rec.get("adapter_sha256"), rec.get("prefix"), rec.get("suffix"), rec.get("labels")]
     now = [policy.adapter_sha256, policy.prefix, policy.suffix, [policy.compliant, policy.violation]]
     for what, a, b in zip(("adapter", "prompt prefix", "prompt suffix", "labels"), was, now):

@@ -76,13 +76,13 @@ def check_jobs(jobs: list[Job], protected: dict[Path, str], folders_made_later: 
         writes += [(job.target, "output"), (job.errors, "errors file")]
         if job.target.name.endswith((".jsonl", ".jsonl.gz")):
             writes.append((meta_path(job.target), "metadata file"))
-    for path, what in writes:  # a name made from an input's bytes that are not UTF-8: Arrow cannot open it
+    for job in jobs:  # Arrow cannot open a name whose bytes are not UTF-8 (one made from such an input's name)
         try:
-            str(path).encode("utf-8")
+            str(job.target).encode("utf-8") if job.target.name.endswith(".parquet") else None
         except UnicodeEncodeError:
-            shown = str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            raise click.UsageError(f"{what} {shown} has a name that is not UTF-8 (its input's name, as found, holds "
-                                   "bytes that are not): rename that input, or name the output with -o") from None
+            shown = str(job.target).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise click.UsageError(f"output {shown} has a name that is not UTF-8, which Arrow cannot write a Parquet "
+                                   "file under: rename the input it is named after, or choose another -o") from None
     for path, what in writes:  # first: nothing below opens, or resolves, a path that is not a file
         if (kind := not_regular(path)) not in (None, MISSING):
             raise click.UsageError(f"{what} {path} is {kind}; policyscan writes only new or regular files: "

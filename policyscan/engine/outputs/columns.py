@@ -21,7 +21,8 @@ def output_columns(policies: list[str], layout: str, raw: bool, flagged: bool, t
 
 def reserved_columns(policies: list[str], layout: str, raw: bool, flagged: bool, truncation: bool) -> dict[str, str]:
     """output_columns of this run, and every other column a score output can hold: a kept column under such a name
-    would pass for scores (calibrate and evaluate --from-scores read f_<policy>, report reads flagged_<policy>)."""
+    would pass for policyscan's (calibrate and evaluate --from-scores read f_<policy> and p_<policy>, or policy with
+    p and f as the long layout)."""
     every = {c: ELSEWHERE for lay in ("wide", "long")
              for c in output_columns(policies, lay, True, True, True)}
     return {**every, **output_columns(policies, layout, raw, flagged, truncation)}
@@ -49,8 +50,8 @@ def check_keep(keep: tuple[str, ...] | list[str], id_column: str | None, columns
         if columns.get(k) == ELSEWHERE:
             raise OptionError(f"--keep {k}: {k!r} is a column policyscan writes under another option, so the kept "
                               "values would pass for policyscan's own (calibrate and evaluate --from-scores read "
-                              f"f_<policy>, report reads flagged_<policy>); rename the input column {k!r} or drop "
-                              f"--keep {k}")
+                              "f_<policy> and p_<policy>, and an output with policy and p or f columns is read as "
+                              f"the long layout); rename the input column {k!r} or drop --keep {k}")
         if k in columns:
             why = columns[k]
             fixes = [f"rename the input column {k!r}", f"drop --keep {k}"] + ([f"drop {why}"] * why.startswith("--"))
