@@ -153,7 +153,6 @@ def read_scores(files: list[Path], policy: Policy, label_column: str | None,
 
     name = policy.name
     unverified = tuple(str(p) for p in files if not _scores_of(p, policy))
-
     frames = [(pl.read_parquet(p) if p.name.endswith(".parquet") else pl.read_ndjson(p)).with_columns(
         pl.lit(str(p)).alias(_FILE), pl.int_range(pl.len()).alias(_ROW)) for p in files]
     df = pl.concat(frames, how="diagonal_relaxed")
@@ -182,11 +181,11 @@ def _scores_of(path: Path, policy: Policy) -> bool:
     meta = read_metadata(path)
     if meta is None or "policies" not in meta:  # no metadata, or another command's (a review queue's)
         return False
-    rec = next((r for r in meta.get("policies") or [] if isinstance(r, dict) and r.get("name") == policy.name), None)
-    if rec is None:
-        raise InputError(f"{path}: its metadata records no policy {policy.name!r}; its scores are not this policy's: "
-                         "give each policy the outputs that scored it")
     name = policy.name
+    rec = next((r for r in meta.get("policies") or [] if isinstance(r, dict) and r.get("name") == name), None)
+    if rec is None:
+        raise InputError(f"{path}: its metadata records no policy {name!r}; its scores are not this policy's: "
+                         "give each policy the outputs that scored it")
     kept = set((meta.get("read") or {}).get("keep") or ())
     if hits := sorted(kept & {f"f_{name}", f"p_{name}", "f", "p"}):  # before --keep refused them
         raise InputError(f"{path}: its column {hits[0]!r} is an input column kept with --keep, not policyscan's "
@@ -195,7 +194,7 @@ def _scores_of(path: Path, policy: Policy) -> bool:
     now = [policy.adapter_sha256, policy.prefix, policy.suffix, [policy.compliant, policy.violation]]
     for what, a, b in zip(("adapter", "prompt prefix", "prompt suffix", "labels"), was, now):
         if a != b:
-            raise InputError(f"{path}: scored with another {what} of policy {policy.name!r} than {policy.path} holds "
+            raise InputError(f"{path}: scored with another {what} of policy {name!r} than {policy.path} holds "
                              "now; its scores are not this policy's: score the labeled data again")
     return True
 

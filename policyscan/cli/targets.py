@@ -76,9 +76,9 @@ def check_jobs(jobs: list[Job], protected: dict[Path, str], folders_made_later: 
         writes += [(job.target, "output"), (job.errors, "errors file")]
         if job.target.name.endswith((".jsonl", ".jsonl.gz")):
             writes.append((meta_path(job.target), "metadata file"))
-    for job in jobs:  # Arrow cannot open a name whose bytes are not UTF-8 (one made from such an input's name)
-        try:
-            str(job.target).encode("utf-8") if job.target.name.endswith(".parquet") else None
+    for job in (j for j in jobs if j.target.name.endswith(".parquet")):
+        try:  # Arrow cannot open a name whose bytes are not UTF-8 (one made from such an input's name)
+            str(job.target).encode("utf-8")
         except UnicodeEncodeError:
             shown = str(job.target).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
             raise click.UsageError(f"output {shown} has a name that is not UTF-8, which Arrow cannot write a Parquet "

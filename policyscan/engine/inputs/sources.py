@@ -78,12 +78,12 @@ def parquet_layout(path: Path, spec: ReadSpec) -> ParquetLayout:
             raise InputError(f"{path}: no column {c!r}; it has {schema.names}")
     if id_col and (bad := id_type_error(schema.field(id_col).type, id_col)):
         raise InputError(f"{path}: {bad}")
-    for c in dict.fromkeys([col] + ([id_col] if id_col else []) + list(spec.keep)):
+    wanted = tuple(dict.fromkeys([col] + ([id_col] if id_col else []) + list(spec.keep)))
+    for c in wanted:
         if (twice := _repeated_field(schema.field(c).type)) is not None:
             raise InputError(f"{path}: column {c!r} holds a struct that names the field {twice!r} twice; which one "
                              "holds the data cannot be told: write the file with distinct field names")
     type_error = None if is_messages else _text_type_error(schema.field(col).type, col)
-    wanted = tuple(dict.fromkeys([col] + ([id_col] if id_col else []) + list(spec.keep)))
     return ParquetLayout(pf, col, is_messages, id_col, type_error, wanted)
 
 
@@ -157,9 +157,7 @@ def _repeated_field(t: pa.DataType) -> str | None:
         inner = [t.field(i).type for i in range(t.num_fields)]
     elif pa.types.is_map(t):
         inner = [t.key_type, t.item_type]
-    elif pa.types.is_dictionary(t):
-        inner = [t.value_type]
-    elif hasattr(t, "value_type"):  # list, large_list, fixed-size and view lists
+    elif hasattr(t, "value_type"):  # lists of every kind, and dictionaries
         inner = [t.value_type]
     else:
         return None

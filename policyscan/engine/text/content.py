@@ -172,9 +172,10 @@ class Conversations:
             raise InputError(f"{NO_TEMPLATE}; pass --chat-template plain for 'role: content' lines")
         marked = [self._each(m, self.guard.mark) for m in value]
         text = self.template.render(marked)
-        if any(self.guard.needs_reading(v) for v in _strings(marked)):
+        strings = _strings(marked)
+        if any(self.guard.needs_reading(v) for v in strings):
             self.guard.check_passed_through(text, self.template.render(value))
-            if any(ESC in v for v in _strings(marked)):  # a special string marked
+            if any(ESC in v for v in strings):  # a special string marked
                 self.guard.check_markup(text, self.template.render([self._each(m, self.guard.stand_in) for m in value]))
         return text
 
