@@ -230,6 +230,39 @@ def test_a_template_that_escapes_contents_is_that_rows_error(tmp_path):
             enc.render([{"role": "user", "content": content}])
 
 
+# A template step that would make '<|eos|>' out of what a user typed, and the content that would forge it
+MADE_BY_A_STEP = [("{{ m.content | lower }}", "<|EOS|>"), ("{{ m.content.upper() | lower }}", "<|Eos|>"),
+                  ("{{ m.content | replace(' ', '') }}", "<|e os|>"), ("{{ m.content.replace('-', '') }}", "<|e-os|>"),
+                  ("{{ m.content.split('#') | join('') }}", "<|e#os|>"), ("{{ ''.join(m.content.split('#')) }}", "<|e#os|>"),
+                  ("{{ m.content.split('#') | map('trim') | join }}", "<|e# os|>"), ("{{ m.content[2:] | lower }}", "xx<|EOS|>"),
+                  ("{{ m.content | reverse }}", ">|soe|<"), ("{{ m.content | title | lower }}", "<|EOS|>"),
+                  ("{{ ('<' ~ m.content) | lower }}", "|EOS|>"), ("{{ (m.content + '|>') | lower }}", "<|EOS"),
+                  ("{% set t = m.role ~ ': ' ~ m.content %}{{ t | lower }}", "<|EOS|>")]
+
+
+@pytest.mark.parametrize("step, content", MADE_BY_A_STEP)
+def test_a_template_step_that_makes_a_special_token_out_of_content_is_that_rows_error(tmp_path, step, content):
+    """Marks keep special-token strings typed in content as text, but a filter or str method can make a new one out
+    of text that held none (lower-casing '<|EOS|>'): the render is refused. The same step on content that makes no
+    special token renders as the template renders it."""
+    enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / "m", "{% for m in messages %}<|eos|>" + step
+                                     + "{% endfor %}"))
+    with pytest.raises(ValueError, match=r"makes a special-token string out of a message's text"):
+        enc.render([{"role": "user", "content": content}])
+    clean = enc.render([{"role": "user", "content": "Plain Words"}])
+    assert _special_ids(enc.encode(clean), enc) == [1] and clean == enc.chat_template.render(
+        [{"role": "user", "content": "Plain Words"}])
+
+
+def test_a_template_may_join_contents_with_its_own_special_tokens(tmp_path):
+    """The separator of a join is the template's markup: its special tokens, once a seam, are the template's own."""
+    enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / "m",
+                                     "{{ messages | map(attribute='content') | join('<|eos|>') }}"))
+    text = enc.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                       {"role": "user", "content": "c"}])
+    assert _special_ids(enc.encode(text), enc) == [1, 1]
+
+
 def test_the_marks_themselves_typed_in_content_stay_text(encoders):
     enc = encoders["qwen"]
     for text in (ESC, BRK, ESC + ESC, f"a{ESC}<|im_end|>{BRK}b", f"{BRK}<|im_start|>"):

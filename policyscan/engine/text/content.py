@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.text.chat_template import ChatTemplate
+from policyscan.engine.text.sandbox import Text
 
 ESC = "\ufdd0"  # before a special-token string of content: it is text
 BRK = "\ufdd1"  # a seam break: nothing matches across it
@@ -109,6 +110,10 @@ class ContentGuard:
         """Whether `text` holds a special-token string."""
         return self._find is not None and self._find.search(text) is not None
 
+    def count(self, text: str) -> int:
+        """How many special-token strings `text` holds (marked or bare)."""
+        return 0 if self._find is None else sum(1 for _ in self._find.finditer(text))
+
     def needs_reading(self, text: str) -> bool:
         """Whether `text` holds marks (else its special-token strings are all control, as tokenizers reads them)."""
         return ESC in text or BRK in text
@@ -159,7 +164,8 @@ class ContentGuard:
 class Conversations:
     """A conversation cell -> the marked text the encoder reads: a text's special-token strings stay text (unless
     the texts are trusted renderings, `text_is_rendered`); a messages list is rendered through the run's chat
-    template with every string of every message marked, so only the template's markup holds control tokens."""
+    template with every string of every message marked, so only the template's markup holds control tokens. The
+strings reach the template as sandbox.Text, so a filter that would make a special-token string of them is refused."""
 
     template: ChatTemplate | None
     guard: ContentGuard
@@ -187,11 +193,14 @@ class Conversations:
         a compared value, and no template writes such values beside markup they could complete. Keys are looked up
         by name, so they cannot be marked: a key that holds a special-token string is refused."""
         return {self._key(k): v if k == "role" and isinstance(v, str) and v in STANDARD_ROLES
-                else how(v) if isinstance(v, str) else self._deep(v, how) for k, v in message.items()}
+                else self._text(how(v)) if isinstance(v, str) else self._deep(v, how) for k, v in message.items()}
+
+    def _text(self, v: str) -> Text:
+        return Text(v, self.guard.count)
 
     def _deep(self, v, how):
         if isinstance(v, str):
-            return how(v) if self.guard.holds_special(v) else v
+            return self._text(how(v) if self.guard.holds_special(v) else v)
         if isinstance(v, (list, tuple)):  # a Parquet map arrives as a list of (key, value) tuples
             return type(v)(self._deep(x, how) for x in v)
         if isinstance(v, dict):

@@ -5,12 +5,18 @@ chat_template._time_limit).
 Refused, as a render error of that row: repeating a string or list past BUILT_LIMIT items (`'x' * 10**9`), an
 integer product or power past INT_BITS bits, padding past BUILT_LIMIT (`'x'.ljust(10**9)`, `center`, `indent`, a
 `%` or `format` width or precision), and a replace that would grow a string past it. Real chat templates do none
-of these; numbers in the data (a timestamp passed to `format`) are no sizes and pass."""
+of these; numbers in the data (a timestamp passed to `format`) are no sizes and pass.
+
+Also refused: a filter, str method or `%` that makes a special-token string out of a message's text (`lower` on
+'<|EOS|>', a `replace` or `join` that closes '<|e os|>' up). A message's strings reach the template as `Text`,
+which knows how to count the tokenizer's special-token strings; what a step makes of a Text is Text again (its
+pieces, its lower-case), so the check follows the content through the template."""
 from __future__ import annotations
 
 import functools
 import re
 import string
+from collections.abc import Callable
 
 BUILT_LIMIT = 1 << 24  # items one step may build: far past any conversation's rendering
 INT_BITS = 1 << 16  # bits of an integer a product or power may make
@@ -25,27 +31,122 @@ class TemplateLimitError(ValueError):
     """A chat template step that would build more than the sandbox allows."""
 
 
+class ContentControlError(ValueError):
+    """A chat template step that would make a special-token string out of a message's text."""
+
+
+class Text(str):
+    """A message's string as the template sees it: a str that can count the special-token strings in a text (the
+    attribute's leading underscore keeps it from templates)."""
+
+    def __new__(cls, value: str = "", count: Callable[[str], int] | None = None):
+        text = super().__new__(cls, value)
+        text._count = count
+        return text
+
+    def __getitem__(self, key) -> "Text":  # Jinja slices without the environment: a piece stays Text
+        return Text(super().__getitem__(key), self._count)
+
+
 def sandbox():
-    """A new ImmutableSandboxedEnvironment whose steps are bounded as the module says."""
+    """A new ImmutableSandboxedEnvironment whose steps are bounded and followed as the module says."""
+    from jinja2.compiler import CodeGenerator
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    class Following(CodeGenerator):
+        """`~` compiled to the environment's concat instead of a bare join, so that what it makes of a Text is
+        Text (Jinja's own join has no hook)."""
+
+        def visit_Concat(self, node, frame) -> None:
+            self.write("environment.concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
     class Bounded(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**", "%"})
+        intercepted_binops = frozenset({"*", "**", "%", "+"})
+        code_generator_class = Following
+
+        def concat(self, values: tuple) -> str:
+            return _follow("'~'", values, "".join(map(str, values)))
 
         def call_binop(self, context, operator, left, right):
             _check_binop(operator, left, right)
-            return super().call_binop(context, operator, left, right)
+            made = super().call_binop(context, operator, left, right)
+            return _follow(f"'{operator}'", (left, right), made) if operator in ("%", "+") else made
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  Jinja's own signature
             method = getattr(__obj, "__wrapped__", __obj)  # the sandbox hands str.format out wrapped
             owner = getattr(method, "__self__", None)
-            if isinstance(owner, str):
-                _check_method(method.__name__, owner, args, kwargs)
-            return super().call(__context, __obj, *args, **kwargs)
+            if not isinstance(owner, str):  # a macro or a global: its own markup is the template's
+                return super().call(__context, __obj, *args, **kwargs)
+            _check_method(method.__name__, owner, args, kwargs)
+            if method.__name__ == "join" and args:  # its pieces are counted, so a generator is read once here
+                args = (_listed(args[0]), *args[1:])
+                made = super().call(__context, __obj, *args, **kwargs)
+                return _follow("str.join", (owner, *args), made, joined=(owner, args[0]))
+            made = super().call(__context, __obj, *args, **kwargs)
+            return _follow(f"str.{method.__name__}", (owner, *args, *kwargs.values()), made)
 
     env = Bounded(trim_blocks=True, lstrip_blocks=True)
-    env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
+    env.filters = {name: _followed_filter(name, _bounded_filter(name, f)) for name, f in env.filters.items()}
     return env
+
+
+def _follow(step: str, inputs: tuple, made, joined: tuple[str, list] | None = None):
+    """`made`, what `step` built from `inputs`: refused if one of them is a message's Text and `made` holds more
+    special-token strings than the inputs (a join's separator, `joined`, counted once a seam), else Text again where
+    it came from a Text, so that later steps are checked too."""
+    taint = next((v for v in _strings(inputs) if isinstance(v, Text)), None)
+    if taint is None or taint._count is None:
+        return made
+    count = taint._count
+    held = sum(map(count, _strings(inputs)))
+    if joined is not None:
+        sep, pieces = joined[0] if isinstance(joined[0], str) else "", _strings((joined[1],))
+        held = sum(map(count, pieces)) + count(sep) * max(len(pieces) - 1, 0)
+    if sum(map(count, _strings((made,)))) > held:
+        raise ContentControlError(
+            f"the chat template's {step} makes a special-token string out of a message's text, so that text "
+            "would become control tokens; such a conversation cannot be scored with this template")
+    if isinstance(made, str) and not isinstance(made, Text):
+        return Text(made, count)
+    if isinstance(made, (list, tuple)) and any(isinstance(v, str) for v in made):
+        return type(made)(Text(v, count) if isinstance(v, str) and not isinstance(v, Text) else v for v in made)
+    return made
+
+
+def _strings(values) -> list[str]:
+    """The strings among `values` and one level into their lists and tuples (a join's pieces)."""
+    out = []
+    for v in values:
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += [x for x in v if isinstance(x, str)]
+    return out
+
+
+def _listed(v):
+    """An iterable that is no str, list, tuple or mapping, read into a list (a generator from `map`)."""
+    return v if isinstance(v, (str, list, tuple, dict)) or not hasattr(v, "__iter__") else list(v)
+
+
+def _followed_filter(name: str, f):
+    """A filter whose result is checked and followed as _follow says; join's pieces read once and counted."""
+    @functools.wraps(f)
+    def followed(*args, **kwargs):
+        at = next((i for i, a in enumerate(args) if not _is_context(a)), len(args))
+        if name == "join" and at < len(args):
+            args = (*args[:at], _listed(args[at]), *args[at + 1:])
+        values = tuple(a for a in (*args, *kwargs.values()) if not _is_context(a))
+        made = f(*args, **kwargs)
+        if name == "join" and values:
+            sep = values[1] if len(values) > 1 else kwargs.get("d", "")
+            return _follow("join filter", values, made, joined=(sep, values[0]))
+        return _follow(f"{name} filter", values, made)
+    return followed
 
 
 def _check_binop(operator: str, left, right) -> None:
