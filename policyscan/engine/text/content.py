@@ -50,6 +50,7 @@ class ContentGuard:
     _tails: frozenset = field(init=False, repr=False, compare=False)
     _inner: frozenset = field(init=False, repr=False, compare=False)
     _longest: int = field(init=False, repr=False, compare=False)
+    _firsts: frozenset = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for s in self.specials:
@@ -67,6 +68,7 @@ class ContentGuard:
         set_("_tails", frozenset(c[k:] for c in by_content for k in range(1, len(c))))
         set_("_inner", frozenset(c[i:j] for c in by_content for i in range(1, len(c)) for j in range(i + 1, len(c))))
         set_("_longest", max(map(len, by_content), default=0))
+        set_("_firsts", frozenset(c[0] for c in by_content))  # a text without any of these holds none
 
     @classmethod
     def of_tokenizer(cls, tok) -> "ContentGuard":
@@ -110,9 +112,12 @@ class ContentGuard:
         """Whether `text` holds a special-token string."""
         return self._find is not None and self._find.search(text) is not None
 
-    def count(self, text: str) -> int:
-        """How many special-token strings `text` holds (marked or bare)."""
-        return 0 if self._find is None else sum(1 for _ in self._find.finditer(text))
+    def count(self, texts: list[str]) -> int:
+        """How many special-token strings the texts hold (marked or bare), none across two of them."""
+        text = ESC.join(texts)  # no special-token string holds ESC (__post_init__)
+        if self._find is None or not any(c in text for c in self._firsts):
+            return 0
+        return sum(1 for _ in self._find.finditer(text))
 
     def needs_reading(self, text: str) -> bool:
         """Whether `text` holds marks (else its special-token strings are all control, as tokenizers reads them)."""

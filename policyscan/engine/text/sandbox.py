@@ -36,10 +36,10 @@ class ContentControlError(ValueError):
 
 
 class Text(str):
-    """A message's string as the template sees it: a str that can count the special-token strings in a text (the
+    """A message's string as the template sees it: a str that can count the special-token strings in texts (the
     attribute's leading underscore keeps it from templates)."""
 
-    def __new__(cls, value: str = "", count: Callable[[str], int] | None = None):
+    def __new__(cls, value: str = "", count: Callable[[list[str]], int] | None = None):
         text = super().__new__(cls, value)
         text._count = count
         return text
@@ -98,18 +98,21 @@ def _follow(step: str, inputs: tuple, made, joined: tuple[str, list] | None = No
     """`made`, what `step` built from `inputs`: refused if one of them is a message's Text and `made` holds more
     special-token strings than the inputs (a join's separator, `joined`, counted once a seam), else Text again where
     it came from a Text, so that later steps are checked too."""
-    taint = next((v for v in _strings(inputs) if isinstance(v, Text)), None)
+    strings = _strings(inputs)
+    taint = next((v for v in strings if type(v) is Text), None)
     if taint is None or taint._count is None:
         return made
     count = taint._count
-    held = sum(map(count, _strings(inputs)))
-    if joined is not None:
-        sep, pieces = joined[0] if isinstance(joined[0], str) else "", _strings((joined[1],))
-        held = sum(map(count, pieces)) + count(sep) * max(len(pieces) - 1, 0)
-    if sum(map(count, _strings((made,)))) > held:
-        raise ContentControlError(
-            f"the chat template's {step} makes a special-token string out of a message's text, so that text "
-            "would become control tokens; such a conversation cannot be scored with this template")
+    held_by_made = count(_strings((made,)))
+    if held_by_made:
+        held = count(strings)
+        if joined is not None:
+            pieces = _strings((joined[1],))
+            held = count(pieces) + count(_strings(joined[:1])) * max(len(pieces) - 1, 0)
+        if held_by_made > held:
+            raise ContentControlError(
+                f"the chat template's {step} makes a special-token string out of a message's text, so that text "
+                "would become control tokens; such a conversation cannot be scored with this template")
     if isinstance(made, str) and not isinstance(made, Text):
         return Text(made, count)
     if isinstance(made, (list, tuple)) and any(isinstance(v, str) for v in made):
@@ -135,12 +138,13 @@ def _listed(v):
 
 def _followed_filter(name: str, f):
     """A filter whose result is checked and followed as _follow says; join's pieces read once and counted."""
+    at = 1 if getattr(f, "jinja_pass_arg", None) else 0  # Jinja passes a marked filter's context first
+
     @functools.wraps(f)
     def followed(*args, **kwargs):
-        at = next((i for i, a in enumerate(args) if not _is_context(a)), len(args))
         if name == "join" and at < len(args):
             args = (*args[:at], _listed(args[at]), *args[at + 1:])
-        values = tuple(a for a in (*args, *kwargs.values()) if not _is_context(a))
+        values = (*args[at:], *kwargs.values())
         made = f(*args, **kwargs)
         if name == "join" and values:
             sep = values[1] if len(values) > 1 else kwargs.get("d", "")
