@@ -26,7 +26,7 @@ from workloads import WORKLOADS, shape, workload_lengths  # noqa: E402
 from policyscan.kernels.attention import varlen_attention  # noqa: E402
 from policyscan.kernels.lora_gemm import lora_gemm  # noqa: E402
 from policyscan.kernels.reference import AttnShape  # noqa: E402
-from policyscan.kernels.tuning import attention_tiles, gemm_tiles  # noqa: E402
+from policyscan.kernels.tuning import attention_long_tile, attention_tiles, gemm_tiles  # noqa: E402
 
 RANK = 16
 # projection, its fused projections (ranks stack), and its epilogue as the engine runs it
@@ -131,6 +131,11 @@ def attention_rows(name: str, tokens: int, sweep: bool, length: int | None = Non
     if sweep:
         G = H // Hkv
         shipped = varlen_attention(qkv, cu, att, scale)
+        long = attention_long_tile(G, D, False)
+        if long is None or top < long[0]:  # the key block of the one tile every sequence takes, if one
+            batch_bn = attention_tiles(G, D, False)["BN"]
+        else:
+            batch_bn = long[1]["BN"] if min(lens) >= long[0] else None
         # rows, warps, key block, stages, register cap (bench/attention_ptx.py gives each tile's registers and
         # shared-memory traffic without a GPU)
         for r, nw, bn, ns, mr in [(64, 4, 32, 2, 128), (64, 4, 64, 2, None), (64, 4, 64, 3, 168), (128, 8, 32, 2, None),
@@ -143,8 +148,9 @@ def attention_rows(name: str, tokens: int, sweep: bool, length: int | None = Non
             except Exception as e:  # registers, shared memory: the config does not compile
                 print(f"    attention {name} {c}: skipped: {type(e).__name__}: {str(e)[:100]}")
                 continue
-            # a key block sets the softmax's reduction order: only the shipped key block can give its bits
-            same = torch.equal(out, shipped) if bn == attention_tiles(G, D, False)["BN"] else None
+            # a key block sets the softmax's reduction order: only a batch whose sequences all take one shipped tile
+            # of this key block can give the shipped bits
+            same = torch.equal(out, shipped) if bn == batch_bn else None
             rows.append(dict(base, config=str(c), ms=t, tf=fl / t / 1e9, same=same))
     return rows
 

@@ -217,7 +217,7 @@ def _check_varlen_attention(device, window, last_only, shape):
     if device == "cpu":
         lengths, dtype = [1, 7, 33, 0, 64, 20, 3], torch.float32
     else:
-        lengths, dtype = [1, 700, 257, 64, 0, 1500, 3, 130], torch.bfloat16
+        lengths, dtype = [1, 700, 257, 64, 0, 1500, 3, 2100, 130], torch.bfloat16  # 2100: the long tile
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = sum(lengths)
     cu = packed(lengths, device)
@@ -289,6 +289,41 @@ def test_lora_gemm_rows_do_not_depend_on_batch(fp8, r):
 
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("last_only", [False, True])
+def test_attention_rows_do_not_depend_on_the_batch(device, last_only, monkeypatch):
+    """A sequence's tile is chosen by its own key count (tuning.attention_long_tile): sequences just under, at and
+    over the threshold give the same bits in a batch of mixed lengths as alone. Outputs poisoned with NaN first."""
+    from policyscan.kernels.tuning import attention_long_tile
+    g = gen()
+    shape = (CPU_ATTN_SHAPES if device == "cpu" else GPU_ATTN_SHAPES)[0]
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if device == "cpu":  # a row-invariant matmul for the interpreter, as in the prefix test below
+        matmul = np.matmul
+        monkeypatch.setattr(np, "matmul", lambda a, b, **kw: np.stack([matmul(r, b, **kw) for r in a])
+                            if a.ndim == 2 and b.ndim == 2 else matmul(a, b, **kw))
+    long = attention_long_tile(H // Hkv, D, device == "cpu")
+    assert long is not None, "no long tile at this shape: the test would check one tile only"
+    k = long[0]
+    lengths = [k - 1, 3, k, 0, k + 1, 2 * k + 5, 1, k // 2]
+    rows = [torch.randn(n, (H + 2 * Hkv) * D, generator=g).to(dtype).to(device) for n in lengths]
+    common = (shape, D ** -0.5, None, last_only)
+
+    def attend(parts, lens):
+        n_out = len(lens) if last_only else sum(lens)
+        out = torch.full((n_out, H * D), float("nan"), dtype=dtype, device=device)
+        return varlen_attention(torch.cat(parts), packed(lens, device), *common, out=out)
+
+    batch = attend(rows, lengths)
+    at = 0
+    for i, (r, n) in enumerate(zip(rows, lengths)):
+        alone = attend([r], [n])
+        got = batch[i:i + 1] if last_only else batch[at:at + n]
+        assert torch.equal(got, alone), f"length {n} (threshold {k})"
+        at += n
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("last_only", [False, True])
 @pytest.mark.parametrize("shape_i", [0, 2])
 def test_attention_prefix_cache_is_bitwise_recompute(device, last_only, shape_i, monkeypatch):
     """Sequences attending to cached prefix rows give bitwise what the same sequences computed with their
@@ -297,7 +332,8 @@ def test_attention_prefix_cache_is_bitwise_recompute(device, last_only, shape_i,
     if device == "cpu":
         shape, dtype, prefixes, own = CPU_ATTN_SHAPES[shape_i], torch.float32, [0, 5, 19], [1, 7, 30, 12, 4]
     else:
-        shape, dtype, prefixes, own = GPU_ATTN_SHAPES[shape_i], torch.bfloat16, [0, 77, 256], [1, 300, 64, 1000, 5]
+        shape, dtype, prefixes, own = (GPU_ATTN_SHAPES[shape_i], torch.bfloat16, [0, 77, 256],
+                                       [1, 300, 64, 1000, 2000, 5])  # 77 + 2000 keys: the long tile
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     width = (H + 2 * Hkv) * D
     pre_rows = [torch.randn(n, width, generator=g).to(dtype) for n in prefixes]

@@ -12,7 +12,8 @@ size then depends only on the tensor shapes (T, B), never on a host-side max_seq
 CUDA graph captured for a token bucket replay any batch of that size; nor are programs launched for blocks a
 short sequence lacks.
 Batch invariance: a program walks its sequence's keys in a fixed order, so nothing outside the sequence
-changes its result.
+changes its result. Long sequences take a larger tile (tuning.attention_long_tile), in a second launch over the
+same grid rule: which tile a sequence takes depends on its own key count alone.
 Why not a library kernel: PyTorch's FlashAttention-2 varlen forward, batch-invariant too, was slower at W1's
 batches (bench/sweep.py attention_lib, docs/performance.md), and it cannot read cached prefix rows in place.
 """
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from policyscan.kernels.fast_math import tanh
 from policyscan.kernels.reference import AttnShape, PrefixKV
-from policyscan.kernels.tuning import attention_tiles
+from policyscan.kernels.tuning import attention_long_tile, attention_tiles
 
 
 @triton.jit
@@ -75,11 +76,12 @@ def _attn_block(q, acc, m_i, l_i, qpos, n0, rows_ptr, pre_ptr, start, P, p0, n_k
     return acc, m_new, l_i
 
 
-# batch-sized ints unspecialized: one variant for any batch (W1: 32 to compile fresh, not 71)
-@triton.jit(do_not_specialize=["B", "stride_am"])
+# batch-sized ints unspecialized: one variant for any batch (W1: 32 to compile fresh, not 71); keys_lo and
+# keys_hi bound the key counts of the sequences this launch's tile serves (last_only: the others return at once)
+@triton.jit(do_not_specialize=["B", "stride_am", "keys_lo", "keys_hi"])
 def _attn_kernel(
     qkv_ptr, o_ptr, cu_ptr, blk_seq_ptr, cu_blk_ptr, pre_ptr, pre_start_ptr, pre_len_ptr, amax_ptr,
-    scale, window, B, stride_t, stride_ot, stride_pre, K_COL, V_COL, stride_am, cap,
+    scale, window, B, stride_t, stride_ot, stride_pre, K_COL, V_COL, stride_am, cap, keys_lo, keys_hi,
     D: tl.constexpr, LAST_ONLY: tl.constexpr, HAS_PREFIX: tl.constexpr, AMAX: tl.constexpr,
     G: tl.constexpr, BQ: tl.constexpr, QP: tl.constexpr, BR: tl.constexpr,
     BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr, LIB: tl.constexpr,
@@ -105,18 +107,20 @@ def _attn_kernel(
     qi = r // G
     h = kvh * G + r % G
     live = r < BQ * G
+    P = 0
+    p0 = 0
+    if HAS_PREFIX:
+        P = tl.load(pre_len_ptr + b)
+        p0 = tl.load(pre_start_ptr + b)
     if LAST_ONLY:
+        if (P + n_own < keys_lo) | (P + n_own >= keys_hi):  # another launch's tile serves this sequence
+            return
         if n_own == 0:  # an empty (padding) sequence still owns its output row
             tl.store(o_ptr + b * stride_ot + h[:, None] * D + rd[None, :],
                      tl.zeros((BR, BD), dtype=o_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
             if AMAX:
                 tl.store(amax_ptr + kvh * stride_am + b, 0.0)
             return
-    P = 0
-    p0 = 0
-    if HAS_PREFIX:
-        P = tl.load(pre_len_ptr + b)
-        p0 = tl.load(pre_start_ptr + b)
     # Keys are enumerated as one sequence, cached prefix first, in the same BN blocks as when the prefix is
     # computed inline: the reduction order, and so every bit of the result, is the same either way.
     n_keys = P + n_own
@@ -169,9 +173,10 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
                      row_amax: bool = False, softcap: float | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher; same semantics as reference.varlen_attention. qkv [T, (H + 2 Hkv) D]; `out` [Tq, H D] is
-    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, maxnreg)
-    overrides tuning.attention_tiles (bench/sweep.py); row_amax: also return each row's max |out| per key/value head
-    group [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out (prologue's x_amax)."""
+    written in place when given; `config` (BQ queries a program, BN, num_warps, num_stages, maxnreg) is then the
+    one tile for every length instead of tuning's two (bench/sweep.py); row_amax: also return each row's max |out|
+    per key/value head group [Hkv, Tq], which the o projection's FP8 prologue reads instead of sweeping out
+    (prologue's x_amax)."""
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D or qkv.stride(1) != 1:
@@ -198,29 +203,41 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, shape: AttnSha
         return (out, amax) if row_amax else out
     interpret = qkv.device.type == "cpu"
     G = H // Hkv
-    cfg = {**attention_tiles(G, D, interpret), **(config or {})}
-    BQ, BN = (1 if last_only else cfg["BQ"]), cfg["BN"]  # last_only: one query per sequence
-    if last_only:
-        grid, blk_seq, cu_blk = (B, Hkv), cu_seqlens, cu_seqlens
-    else:
-        # query blocks per sequence, on the device (no sync): sum over b of cdiv(len_b, BQ) <= cdiv(T, BQ) + B
-        n_blk = (cu_seqlens[1:] - cu_seqlens[:-1] + BQ - 1) // BQ
-        cu_blk = torch.zeros(B + 1, dtype=torch.int32, device=qkv.device)
-        cu_blk[1:] = torch.cumsum(n_blk, 0)
-        bound = triton.cdiv(T, BQ) + B
-        blk_seq = torch.searchsorted(cu_blk, torch.arange(bound, dtype=torch.int32, device=qkv.device),
-                                     right=True, out_int32=True) - 1
-        grid = (bound, Hkv)
-    _attn_kernel[grid](
-        qkv, out, cu_seqlens, blk_seq, cu_blk,
-        prefix.rows if prefix is not None else qkv, prefix.start if prefix is not None else cu_seqlens,
-        prefix.length if prefix is not None else cu_seqlens, amax if row_amax else out,
-        scale, window or 0, B, qkv.stride(0), out.stride(0),
-        prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D, rows, softcap or 1.0,
-        D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, AMAX=row_amax, G=G, BQ=BQ,
-        QP=triton.next_power_of_2(BQ), BR=max(16, triton.next_power_of_2(BQ * G)), BN=BN,
-        BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32",
-        SOFTCAP=softcap is not None, LIB=not interpret,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+    tiers = [(0, 2**31 - 1, {**attention_tiles(G, D, interpret), **(config or {})})]
+    long = None if config else attention_long_tile(G, D, interpret)
+    if long is not None:
+        # last_only: one query a sequence, 16 rows, so the long tile's key block on the short tile's warps
+        wide = {**tiers[0][2], "BN": long[1]["BN"]} if last_only else long[1]
+        tiers = [(0, long[0], tiers[0][2]), (long[0], 2**31 - 1, wide)]
+    keys = cu_seqlens[1:] - cu_seqlens[:-1]
+    if prefix is not None:
+        keys = keys + prefix.length
+    for lo, hi, cfg in tiers:  # one launch a tile, over the sequences whose key counts lie in [lo, hi)
+        BQ, BN = (1 if last_only else cfg["BQ"]), cfg["BN"]  # last_only: one query per sequence
+        if last_only:
+            grid, blk_seq, cu_blk = (B, Hkv), cu_seqlens, cu_seqlens
+        else:
+            # query blocks per sequence, on the device (no sync): sum over b of cdiv(len_b, BQ) <= cdiv(T, BQ) + B;
+            # none for a sequence another launch's tile serves
+            n_blk = (cu_seqlens[1:] - cu_seqlens[:-1] + BQ - 1) // BQ
+            if len(tiers) > 1:
+                n_blk = n_blk * ((keys >= lo) & (keys < hi))
+            cu_blk = torch.zeros(B + 1, dtype=torch.int32, device=qkv.device)
+            cu_blk[1:] = torch.cumsum(n_blk, 0)
+            bound = triton.cdiv(T, BQ) + B
+            blk_seq = torch.searchsorted(cu_blk, torch.arange(bound, dtype=torch.int32, device=qkv.device),
+                                         right=True, out_int32=True) - 1
+            grid = (bound, Hkv)
+        _attn_kernel[grid](
+            qkv, out, cu_seqlens, blk_seq, cu_blk,
+            prefix.rows if prefix is not None else qkv, prefix.start if prefix is not None else cu_seqlens,
+            prefix.length if prefix is not None else cu_seqlens, amax if row_amax else out,
+            scale, window or 0, B, qkv.stride(0), out.stride(0),
+            prefix.rows.stride(0) if prefix is not None else 0, H * D, (H + Hkv) * D, rows, softcap or 1.0, lo, hi,
+            D=D, LAST_ONLY=last_only, HAS_PREFIX=prefix is not None, AMAX=row_amax, G=G, BQ=BQ,
+            QP=triton.next_power_of_2(BQ), BR=max(16, triton.next_power_of_2(BQ * G)), BN=BN,
+            BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if qkv.dtype == torch.float32 else "tf32",
+            SOFTCAP=softcap is not None, LIB=not interpret,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return (out, amax) if row_amax else out

@@ -139,6 +139,23 @@ def attention_tiles(G: int, D: int, interpret: bool) -> dict:
     return dict(BQ=max(1, 64 // G), BN=32, num_warps=4, num_stages=2 if wide else 3, maxnreg=128 if wide else 168)
 
 
+def attention_long_tile(G: int, D: int, interpret: bool) -> tuple[int, dict] | None:
+    """(keys, tile): a sequence of at least `keys` keys, cached prefix included, takes this tile instead of
+    attention_tiles'; None: one tile for every length.
+
+    128 rows of 8 warps in 64-key blocks, 3 stages, on 128-wide heads: it reads q once a warpgroup for twice the
+    keys (bench/attention_ptx.py: 31 FLOP a shared-memory byte against 21), but one program fills an SM, so it wins
+    only where the key loop is long. On an H100 (bench/gemm_table.py --sweep): W5's packed first batch 397 against
+    370 TFLOP/s, 16 x 4096 407 against 367, 64 x 1024 298 against 312, W1's packed batch 151 against 209. The tile
+    is chosen by the sequence's own key count, so a sequence gets the same bits in any batch and with its prefix
+    cached or inline. In the interpreter a low threshold, so that the tests run both tiles."""
+    if interpret:
+        return 40, dict(BQ=max(1, 32 // G), BN=32, num_warps=4, num_stages=1)
+    if D != 128:
+        return None
+    return 2048, dict(BQ=max(1, 128 // G), BN=64, num_warps=8, num_stages=3)
+
+
 # --- head.py, rope.py ---
 
 def head_warps(BH: int) -> int:

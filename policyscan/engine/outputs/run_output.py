@@ -60,8 +60,9 @@ class Job:
 # prefix as they follow other text; the CPU path's LoRA shrink is a GEMM; 3: special-token strings in conversation
 # text encode as text; 4: a prompt is cut at the model's max_position_embeddings when --max-length is more; 5: null
 # and ill-typed ids, JSON naming a key twice and damaged gzip data are errors, not scored rows; strings nested in a
-# message encode as text).
-SCORING_REVISION = 5
+# message encode as text; 6: sequences of 2048 keys or more take a larger attention tile on the GPU, whose key block
+# sums the softmax in another order; a chat template step that makes a special-token string of content fails the row).
+SCORING_REVISION = 6
 
 
 def run_key(scorer: Scorer, spec: ReadSpec, out: OutputSpec, input_sha: str) -> str:
