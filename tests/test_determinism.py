@@ -123,6 +123,40 @@ def test_gpu_f_does_not_depend_on_batch_tokens_or_graphs(tmp_path, precision):
             f"{key}: {int((f != base).sum())} of {f.size} differ from budget 65536 with graphs"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gpu_f_of_long_conversations_does_not_depend_on_batch_tokens_or_graphs(tmp_path, precision):
+    """128-wide heads, conversations from a few tokens to past 2048 keys with the policy's cached prefix, where the
+    attention takes its long tile (tuning.attention_long_tile): every budget, with and without CUDA graphs, bitwise
+    the same f."""
+    from policyscan.engine.policy.bundle import load_policies
+    from policyscan.engine.run.runner import Engine
+    from policyscan.engine.settings import EngineSettings
+    from policyscan.kernels.tuning import attention_long_tile
+
+    wide = dict(DEEP, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                max_position_embeddings=8192)
+    assert attention_long_tile(2, 128, False) is not None
+    model, policies = bundle(tmp_path, 8, **wide)
+    pols = load_policies([policies])
+    convs, results = None, {}
+    for budget in (4096, 9000, 65536):
+        for graphs in (True, False):
+            eng = Engine(model, pols, EngineSettings("cuda", precision, batch_tokens=budget, max_length=4096,
+                                                     cuda_graphs=graphs))
+            if convs is None:
+                convs = [np.asarray(x) for x in eng.encoder.encode_batch(texts(12, repeats=80).column("text")
+                                                                          .to_pylist())]
+                assert max(map(len, convs)) > 2100 and min(map(len, convs)) < 1000, sorted(map(len, convs))
+            results[(budget, graphs)] = eng.score_conversations(convs)[0]
+            del eng
+    base = results[(65536, True)]
+    assert np.isfinite(base).all()
+    for key, f in results.items():
+        assert np.array_equal(f.view(np.uint32), base.view(np.uint32)), \
+            f"{key}: {int((f != base).sum())} of {f.size} differ from budget 65536 with graphs"
+
+
 @pytest.fixture(scope="module")
 def cpu_bundle(tmp_path_factory) -> tuple[Path, Path, Path]:
     """One small model, 12 policies and a 10-row log for both CPU precisions (written once)."""
