@@ -239,7 +239,9 @@ MADE_BY_A_STEP = [("{{ m.content | lower }}", "<|EOS|>"), ("{{ m.content.upper()
                   ("{{ m.content[2:] | lower }}", "xx<|EOS|>"),
                   ("{{ m.content | reverse }}", ">|soe|<"), ("{{ m.content | title | lower }}", "<|EOS|>"),
                   ("{{ ('<' ~ m.content) | lower }}", "|EOS|>"), ("{{ (m.content + '|>') | lower }}", "<|EOS"),
-                  ("{% set t = m.role ~ ': ' ~ m.content %}{{ t | lower }}", "<|EOS|>")]
+                  ("{% set t = m.role ~ ': ' ~ m.content %}{{ t | lower }}", "<|EOS|>"),
+                  ("{% set ns = namespace(s='') %}{% for c in m.content %}{% set ns.s = ns.s ~ (c | lower) %}"
+                   "{% endfor %}{{ ns.s }}", "<|EOS|>")]
 
 
 @pytest.mark.parametrize("step, content", MADE_BY_A_STEP)

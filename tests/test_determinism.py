@@ -96,31 +96,38 @@ def test_gpu_scores_are_bitwise_equal_across_processes(tmp_path, n_policies, row
         assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_gpu_f_does_not_depend_on_batch_tokens_or_graphs(tmp_path, precision):
-    """64 policies, through the Engine: every budget, with and without CUDA graphs, bitwise the same f."""
+def assert_f_at_every_budget(model: Path, policies: Path, precision: str, budgets: tuple[int, ...],
+                             max_length: int, table: pa.Table) -> list[int]:
+    """The Engine's f at every budget, with and without CUDA graphs, bitwise the f at the last budget with graphs;
+    returns the conversations' token counts."""
     from policyscan.engine.policy.bundle import load_policies
     from policyscan.engine.run.runner import Engine
     from policyscan.engine.settings import EngineSettings
 
-    model, policies = bundle(tmp_path, 64, **DEEP)
     pols = load_policies([policies])
-    convs = None
-    results = {}
-    for budget in (2048, 3000, 16384, 65536):
+    convs, results = None, {}
+    for budget in budgets:
         for graphs in (True, False):
-            eng = Engine(model, pols, EngineSettings("cuda", precision, batch_tokens=budget, max_length=2048,
+            eng = Engine(model, pols, EngineSettings("cuda", precision, batch_tokens=budget, max_length=max_length,
                                                      cuda_graphs=graphs))
             if convs is None:
-                convs = [np.asarray(x) for x in eng.encoder.encode_batch(texts(24).column("text").to_pylist())]
+                convs = [np.asarray(x) for x in eng.encoder.encode_batch(table.column("text").to_pylist())]
             results[(budget, graphs)] = eng.score_conversations(convs)[0]
             del eng
-    base = results[(65536, True)]
+    base = results[(budgets[-1], True)]
     assert np.isfinite(base).all()
     for key, f in results.items():
         assert np.array_equal(f.view(np.uint32), base.view(np.uint32)), \
-            f"{key}: {int((f != base).sum())} of {f.size} differ from budget 65536 with graphs"
+            f"{key}: {int((f != base).sum())} of {f.size} differ from budget {budgets[-1]} with graphs"
+    return [len(c) for c in convs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gpu_f_does_not_depend_on_batch_tokens_or_graphs(tmp_path, precision):
+    """64 policies, through the Engine: every budget, with and without CUDA graphs, bitwise the same f."""
+    model, policies = bundle(tmp_path, 64, **DEEP)
+    assert_f_at_every_budget(model, policies, precision, (2048, 3000, 16384, 65536), 2048, texts(24))
 
 
 @pytest.mark.gpu
@@ -129,32 +136,14 @@ def test_gpu_f_of_long_conversations_does_not_depend_on_batch_tokens_or_graphs(t
     """128-wide heads, conversations from a few tokens to past 2048 keys with the policy's cached prefix, where the
     attention takes its long tile (tuning.attention_long_tile): every budget, with and without CUDA graphs, bitwise
     the same f."""
-    from policyscan.engine.policy.bundle import load_policies
-    from policyscan.engine.run.runner import Engine
-    from policyscan.engine.settings import EngineSettings
     from policyscan.kernels.tuning import attention_long_tile
 
     wide = dict(DEEP, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
                 max_position_embeddings=8192)
     assert attention_long_tile(2, 128, False) is not None
     model, policies = bundle(tmp_path, 8, **wide)
-    pols = load_policies([policies])
-    convs, results = None, {}
-    for budget in (4096, 9000, 65536):
-        for graphs in (True, False):
-            eng = Engine(model, pols, EngineSettings("cuda", precision, batch_tokens=budget, max_length=4096,
-                                                     cuda_graphs=graphs))
-            if convs is None:
-                convs = [np.asarray(x) for x in eng.encoder.encode_batch(texts(12, repeats=80).column("text")
-                                                                          .to_pylist())]
-                assert max(map(len, convs)) > 2100 and min(map(len, convs)) < 1000, sorted(map(len, convs))
-            results[(budget, graphs)] = eng.score_conversations(convs)[0]
-            del eng
-    base = results[(65536, True)]
-    assert np.isfinite(base).all()
-    for key, f in results.items():
-        assert np.array_equal(f.view(np.uint32), base.view(np.uint32)), \
-            f"{key}: {int((f != base).sum())} of {f.size} differ from budget 65536 with graphs"
+    lengths = assert_f_at_every_budget(model, policies, precision, (4096, 9000, 65536), 4096, texts(12, repeats=80))
+    assert max(lengths) > 2100 and min(lengths) < 1000, sorted(lengths)
 
 
 @pytest.fixture(scope="module")

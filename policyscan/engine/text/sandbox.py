@@ -7,8 +7,8 @@ integer product or power past INT_BITS bits, padding past BUILT_LIMIT (`'x'.ljus
 `%` or `format` width or precision), and a replace that would grow a string past it. Real chat templates do none
 of these; numbers in the data (a timestamp passed to `format`) are no sizes and pass.
 
-Also refused: a filter, str method or `%` that makes a special-token string out of a message's text (`lower` on
-'<|EOS|>', a `replace` or `join` that closes '<|e os|>' up). A message's strings reach the template as `Text`,
+Also refused: a filter, str method, `%`, `+` or `~` that makes a special-token string out of a message's text
+(`lower` on '<|EOS|>', a `replace` or `join` that closes '<|e os|>' up). A message's strings reach the template as `Text`,
 which knows how to count the tokenizer's special-token strings; what a step makes of a Text is Text again (its
 pieces, its lower-case), so the check follows the content through the template."""
 from __future__ import annotations
@@ -46,6 +46,9 @@ class Text(str):
 
     def __getitem__(self, key) -> "Text":  # Jinja slices without the environment: a piece stays Text
         return Text(super().__getitem__(key), self._count)
+
+    def __iter__(self):  # a template's loop over the characters: each stays Text
+        return (Text(c, self._count) for c in str.__iter__(self))
 
 
 def sandbox():
