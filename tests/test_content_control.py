@@ -241,7 +241,8 @@ MADE_BY_A_STEP = [("{{ m.content | lower }}", "<|EOS|>"), ("{{ m.content.upper()
                   ("{{ ('<' ~ m.content) | lower }}", "|EOS|>"), ("{{ (m.content + '|>') | lower }}", "<|EOS"),
                   ("{% set t = m.role ~ ': ' ~ m.content %}{{ t | lower }}", "<|EOS|>"),
                   ("{% set ns = namespace(s='') %}{% for c in m.content %}{% set ns.s = ns.s ~ (c | lower) %}"
-                   "{% endfor %}{{ ns.s }}", "<|EOS|>")]
+                   "{% endfor %}{{ ns.s }}", "<|EOS|>"),
+                  ("{% filter lower %}[{{ m.content }}]{% endfilter %}", "<|EOS|>")]
 
 
 @pytest.mark.parametrize("step, content", MADE_BY_A_STEP)

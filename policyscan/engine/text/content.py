@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.text.chat_template import ChatTemplate
-from policyscan.engine.text.sandbox import Text
+from policyscan.engine.text.sandbox import Text, counting
 
 ESC = "\ufdd0"  # before a special-token string of content: it is text
 BRK = "\ufdd1"  # a seam break: nothing matches across it
@@ -182,12 +182,15 @@ strings reach the template as sandbox.Text, so a filter that would make a specia
         if self.template is None:  # the CLI refuses this before scoring; a row error for other callers
             raise InputError(f"{NO_TEMPLATE}; pass --chat-template plain for 'role: content' lines")
         marked = [self._each(m, self.guard.mark) for m in value]
-        text = self.template.render(marked)
+        with counting(self.guard.count):
+            text = self.template.render(marked)
         strings = _strings(marked)
         if any(self.guard.needs_reading(v) for v in strings):
             self.guard.check_passed_through(text, self.template.render(value))
             if any(ESC in v for v in strings):  # a special string marked
-                self.guard.check_markup(text, self.template.render([self._each(m, self.guard.stand_in) for m in value]))
+                with counting(self.guard.count):
+                    stood_in = self.template.render([self._each(m, self.guard.stand_in) for m in value])
+                self.guard.check_markup(text, stood_in)
         return text
 
     def _each(self, message: dict, how) -> dict:
@@ -201,7 +204,7 @@ strings reach the template as sandbox.Text, so a filter that would make a specia
                 else self._text(how(v)) if isinstance(v, str) else self._deep(v, how) for k, v in message.items()}
 
     def _text(self, v: str) -> Text:
-        return Text(v, self.guard.count)
+        return Text(v)
 
     def _deep(self, v, how):
         if isinstance(v, str):

@@ -7,16 +7,20 @@ integer product or power past INT_BITS bits, padding past BUILT_LIMIT (`'x'.ljus
 `%` or `format` width or precision), and a replace that would grow a string past it. Real chat templates do none
 of these; numbers in the data (a timestamp passed to `format`) are no sizes and pass.
 
-Also refused: a filter, str method, `%`, `+` or `~` that makes a special-token string out of a message's text
-(`lower` on '<|EOS|>', a `replace` or `join` that closes '<|e os|>' up). A message's strings reach the template as `Text`,
-which knows how to count the tokenizer's special-token strings; what a step makes of a Text is Text again (its
-pieces, its lower-case), so the check follows the content through the template."""
+Also refused, while `counting` says how to count the tokenizer's special-token strings: a filter, str method, `%`,
+`+` or `~` that makes a special-token string out of a message's text (`lower` on '<|EOS|>', a `replace` or `join`
+that closes '<|e os|>' up). A message's strings reach the template as `Text`; what a step makes of a Text is Text
+again (its pieces, its lower-case), so the check follows the content through the template. A filter other than
+`format` and `join` may make none out of any text, Text or not: a `{% filter lower %}` block's body is rendered
+into a plain string first."""
 from __future__ import annotations
 
 import functools
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 BUILT_LIMIT = 1 << 24  # items one step may build: far past any conversation's rendering
 INT_BITS = 1 << 16  # bits of an integer a product or power may make
@@ -25,6 +29,8 @@ PADDING_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
 PADDING_FILTERS = frozenset({"center", "indent", "wordwrap", "truncate", "batch", "slice"})
 _PERCENT = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
 _SPEC_WIDTH = re.compile(r"^(?:.?[<>=^])?[-+ ]?#?0?(\d+)?[,_]?(?:\.(\d+))?")
+_COUNT: ContextVar[Callable[[list[str]], int] | None] = ContextVar("special_token_count", default=None)
+BUILDING_FILTERS = frozenset({"format", "join"})  # build from parts, as `~` does: checked where a part is Text
 
 
 class TemplateLimitError(ValueError):
@@ -36,19 +42,23 @@ class ContentControlError(ValueError):
 
 
 class Text(str):
-    """A message's string as the template sees it: a str that can count the special-token strings in texts (the
-    attribute's leading underscore keeps it from templates)."""
-
-    def __new__(cls, value: str = "", count: Callable[[list[str]], int] | None = None):
-        text = super().__new__(cls, value)
-        text._count = count
-        return text
+    """A message's string as the template sees it: a str whose pieces stay Text."""
 
     def __getitem__(self, key) -> "Text":  # Jinja slices without the environment: a piece stays Text
-        return Text(super().__getitem__(key), self._count)
+        return Text(super().__getitem__(key))
 
-    def __iter__(self):  # a template's loop over the characters: each stays Text
-        return (Text(c, self._count) for c in str.__iter__(self))
+    def __iter__(self) -> Iterator["Text"]:  # a template's loop over the characters: each stays Text
+        return (Text(c) for c in str.__iter__(self))
+
+
+@contextmanager
+def counting(count: Callable[[list[str]], int]) -> Iterator[None]:
+    """Within: template steps are checked with `count`, which says how many special-token strings texts hold."""
+    token = _COUNT.set(count)
+    try:
+        yield
+    finally:
+        _COUNT.reset(token)
 
 
 def sandbox():
@@ -97,15 +107,17 @@ def sandbox():
     return env
 
 
-def _follow(step: str, inputs: tuple, made, joined: tuple[str, list] | None = None):
-    """`made`, what `step` built from `inputs`: refused if one of them is a message's Text and `made` holds more
-    special-token strings than the inputs (a join's separator, `joined`, counted once a seam), else Text again where
-    it came from a Text, so that later steps are checked too."""
-    strings = _strings(inputs)
-    taint = next((v for v in strings if type(v) is Text), None)
-    if taint is None or taint._count is None:
+def _follow(step: str, inputs: tuple, made, joined: tuple[str, list] | None = None, strict: bool = False):
+    """`made`, what `step` built from `inputs`: refused if one of them is a message's Text (any, when `strict`) and
+    `made` holds more special-token strings than the inputs (a join's separator, `joined`, counted once a seam),
+    else Text again where it came from a Text, so that later steps are checked too."""
+    count = _COUNT.get()
+    if count is None:
         return made
-    count = taint._count
+    strings = _strings(inputs)
+    tainted = any(type(v) is Text for v in strings)
+    if not (tainted or strict):
+        return made
     held_by_made = count(_strings((made,)))
     if held_by_made:
         held = count(strings)
@@ -116,10 +128,12 @@ def _follow(step: str, inputs: tuple, made, joined: tuple[str, list] | None = No
             raise ContentControlError(
                 f"the chat template's {step} makes a special-token string out of a message's text, so that text "
                 "would become control tokens; such a conversation cannot be scored with this template")
+    if not tainted:
+        return made
     if isinstance(made, str) and not isinstance(made, Text):
-        return Text(made, count)
+        return Text(made)
     if isinstance(made, (list, tuple)) and any(isinstance(v, str) for v in made):
-        return type(made)(Text(v, count) if isinstance(v, str) and not isinstance(v, Text) else v for v in made)
+        return type(made)(Text(v) if isinstance(v, str) and not isinstance(v, Text) else v for v in made)
     return made
 
 
@@ -152,7 +166,7 @@ def _followed_filter(name: str, f):
         if name == "join" and values:
             sep = values[1] if len(values) > 1 else kwargs.get("d", "")
             return _follow("join filter", values, made, joined=(sep, values[0]))
-        return _follow(f"{name} filter", values, made)
+        return _follow(f"{name} filter", values, made, strict=name not in BUILDING_FILTERS)
     return followed
 
 
