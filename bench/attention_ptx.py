@@ -25,7 +25,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from policyscan.kernels import attention
-from policyscan.kernels.tuning import attention_tiles
+from policyscan.kernels.tuning import attention_long_tile, attention_tiles
 
 KERNEL = attention._attn_kernel  # the kernel varlen_attention launches, compiled here without a launch
 SCALARS = {"scale": "fp32", "window": "i32", "B": "i32", "stride_t": "i32", "stride_ot": "i32", "stride_pre": "i32",
@@ -107,9 +107,10 @@ def main() -> None:
     print(f"{'G':>2} {'rows':>4} {'BN':>3} {'warps':>5} {'stages':>6} {'maxnreg':>7} {'regs':>4} {'spill':>5} "
           f"{'per SM':>6} {'read KB':>7} {'written KB':>10} {'FLOP/byte':>9} {'ex2':>4} {'instr':>5}  wgmma a key block")
     for G in (int(g) for g in args.groups.split(",")):
-        shipped = attention_tiles(G, D, False)
-        for cfg in [shipped] + [dict(BQ=max(1, r // G), BN=bn, num_warps=w, num_stages=s, maxnreg=mr)
-                                for r, w, bn, s, mr in SWEPT]:
+        shipped = [attention_tiles(G, D, False)] + [t for _, t in filter(None, [attention_long_tile(G, D, False)])]
+        swept = [dict(BQ=max(1, r // G), BN=bn, num_warps=w, num_stages=s, maxnreg=mr) for r, w, bn, s, mr in SWEPT]
+        for cfg in shipped + [c for c in swept if {**c, "maxnreg": c["maxnreg"] or None} not in
+                              [{"maxnreg": None, **t} for t in shipped]]:
             report, sass, smem = compile_tile(G, cfg)
             regs = int(re.search(r"Used (\d+) registers", report).group(1))
             spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
@@ -121,7 +122,7 @@ def main() -> None:
             print(f"{G:>2} {cfg['BQ'] * G:>4} {cfg['BN']:>3} {cfg['num_warps']:>5} {cfg['num_stages']:>6} "
                   f"{cfg.get('maxnreg') or '-':>7} {regs:>4} {spill:>5} {per_sm:>6} {kb['read'] / 1024:>7.0f} "
                   f"{kb['written'] / 1024:>10.0f} {kb['flops'] / (kb['read'] + kb['written']):>9.1f} {kb['ex2']:>4} "
-                  f"{kb['instructions']:>5}  {forms}" + ("  (shipped)" if cfg is shipped else ""))
+                  f"{kb['instructions']:>5}  {forms}" + ("  (shipped)" if any(cfg is t for t in shipped) else ""))
 
 
 if __name__ == "__main__":
