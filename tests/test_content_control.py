@@ -242,7 +242,20 @@ MADE_BY_A_STEP = [("{{ m.content | lower }}", "<|EOS|>"), ("{{ m.content.upper()
                   ("{% set t = m.role ~ ': ' ~ m.content %}{{ t | lower }}", "<|EOS|>"),
                   ("{% set ns = namespace(s='') %}{% for c in m.content %}{% set ns.s = ns.s ~ (c | lower) %}"
                    "{% endfor %}{{ ns.s }}", "<|EOS|>"),
-                  ("{% filter lower %}[{{ m.content }}]{% endfilter %}", "<|EOS|>")]
+                  ("{% filter lower %}[{{ m.content }}]{% endfilter %}", "<|EOS|>"),
+                  ("{{ m.content[:3] }}{{ m.content[5:] }}", "<|eXXos|>"),
+                  ("{% for c in m.content %}{% if c != 'X' %}{{ c }}{% endif %}{% endfor %}", "<|eoXs|>"),
+                  ("{% for line in m.content.split('\n') %}{{ line }}{% endfor %}", "<|eo\ns|>"),
+                  ("{% macro f(a, b) %}{{ a }}{{ b }}{% endmacro %}{{ f(m.content[:3], m.content[5:]) }}",
+                   "<|eXXos|>"),
+                  ("{{ m.content[::-1] }}", ">|soe|<"), ("{{ m.content[1::2] }}", "x<x|xexoxsx|x>"),
+                  ("{{ (m.content * 1).lower() }}", "<|EOS|>"),
+                  ("{% set s %}{{ m.content }}{% endset %}{{ s.lower() }}", "<|EOS|>"),
+                  ("{% set x = m.content * 1 %}{{ x[:3] ~ x[5:] }}", "<|eXXos|>"),
+                  ("{{ (messages | join(attribute='content')).replace('X', '') }}", "<|eoXs|>"),
+                  ("{{ '%(content).4ss|>' % m }}", "<|eoXYZ"), ("{{ '{content:.4}s|>'.format_map(m) }}", "<|eoXYZ"),
+                  ("{{ '%(a)s%(b)s' % {'a': m.content[:3], 'b': m.content[5:]} }}", "<|eXXos|>"),
+                  ("{{ '{0[0][0]}{0[0][1]}'.format([[m.content[:3], m.content[5:]]]) }}", "<|eXXos|>")]
 
 
 @pytest.mark.parametrize("step, content", MADE_BY_A_STEP)
@@ -257,6 +270,33 @@ def test_a_template_step_that_makes_a_special_token_out_of_content_is_that_rows_
     clean = enc.render([{"role": "user", "content": "Plain Words"}])
     assert _special_ids(enc.encode(clean), enc) == [1] and clean == enc.chat_template.render(
         [{"role": "user", "content": "Plain Words"}])
+
+
+def test_a_template_that_turns_text_into_bytes_is_that_rows_error(tmp_path):
+    """Bytes cannot be followed (a decode with unicode_escape would make '<' out of '\\u003c')."""
+    enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / "m",
+                                     "{% for m in messages %}{{ m.content.encode().decode() }}{% endfor %}"))
+    with pytest.raises(ValueError, match=r"str.encode turns text into bytes"):
+        enc.render([{"role": "user", "content": "hi"}])
+
+
+def test_template_steps_that_make_no_new_special_token_render_as_the_template_renders_them(tmp_path):
+    """A typed special-token string carried through a list filter stays text, a replace may put the template's own
+    token at every match, and a long conversation accumulated piece by piece renders in time."""
+    cases = [("{{ messages | map(attribute='content') | list | first }}", "hi <|eos|> there"),
+             ("{{ m.content.split(' ') | select | list | join(' ') }}", "hi <|eos|> there"),
+             ("{{ m.content | replace('\n', '<|eos|>') }}", "a\nb\nc\nd"),
+             ("{% set ns = namespace(s='') %}{% for i in range(300) %}{% set ns.s = ns.s + '<|bos|>' + m.content %}"
+              "{% endfor %}{{ ns.s | length }}", "x" * 2000)]
+    for i, (step, content) in enumerate(cases):
+        enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / f"m{i}", "{% for m in messages %}" + step
+                                         + "{% endfor %}"))
+        messages = [{"role": "user", "content": content}]
+        want = enc.chat_template.render(messages)
+        if "<|eos|>" in content:  # typed: it stays text, marked
+            assert _special_ids(enc.encode(enc.render(messages)), enc) == [], step
+        else:
+            assert enc.render(messages) == want, step
 
 
 def test_a_template_may_join_contents_with_its_own_special_tokens(tmp_path):

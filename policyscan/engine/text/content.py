@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.text.chat_template import ChatTemplate
-from policyscan.engine.text.sandbox import Text, counting
+from policyscan.engine.text.follow import Text, checking
 
 ESC = "\ufdd0"  # before a special-token string of content: it is text
 BRK = "\ufdd1"  # a seam break: nothing matches across it
@@ -84,8 +84,13 @@ class ContentGuard:
             return text
         if self._find.search(text):
             text = self._find.sub(lambda m: ESC + m.group(), text)
+        return self.seal(text)
+
+    def seal(self, text: str) -> str:
+        """`text` with a seam mark (BRK) at each trimmed edge that could close a special-token string with the
+        markup beside it."""
         core = text.strip()
-        if not core:
+        if not core or self._find is None:
             return text
         start = len(text) - len(text.lstrip())
         end = start + len(core)
@@ -118,6 +123,20 @@ class ContentGuard:
         if self._find is None or not any(c in text for c in self._firsts):
             return 0
         return sum(1 for _ in self._find.finditer(text))
+
+    def crossing(self, text: str, seams: list[int]) -> int:
+        """How many special-token strings of `text` start before and end after one of the positions `seams`
+        (only the characters around each seam are read)."""
+        if self._find is None:
+            return 0
+        found = set()
+        reach = self._longest - 1
+        for at in seams:
+            lo = max(0, at - reach)
+            for m in self._find.finditer(text, lo, at + reach):
+                if m.start() < at < m.end():
+                    found.add(m.start())
+        return len(found)
 
     def needs_reading(self, text: str) -> bool:
         """Whether `text` holds marks (else its special-token strings are all control, as tokenizers reads them)."""
@@ -170,7 +189,7 @@ class Conversations:
     """A conversation cell -> the marked text the encoder reads: a text's special-token strings stay text (unless
     the texts are trusted renderings, `text_is_rendered`); a messages list is rendered through the run's chat
     template with every string of every message marked, so only the template's markup holds control tokens. The
-strings reach the template as sandbox.Text, so a filter that would make a special-token string of them is refused."""
+strings reach the template as follow.Text, so a step that would make a special-token string of them is refused."""
 
     template: ChatTemplate | None
     guard: ContentGuard
@@ -182,13 +201,13 @@ strings reach the template as sandbox.Text, so a filter that would make a specia
         if self.template is None:  # the CLI refuses this before scoring; a row error for other callers
             raise InputError(f"{NO_TEMPLATE}; pass --chat-template plain for 'role: content' lines")
         marked = [self._each(m, self.guard.mark) for m in value]
-        with counting(self.guard.count):
-            text = self.template.render(marked)
+        with checking(self.guard):
+            text = str(self.template.render(marked))  # a plain str: a Text's pieces are followed, at a cost
         strings = _strings(marked)
         if any(self.guard.needs_reading(v) for v in strings):
             self.guard.check_passed_through(text, self.template.render(value))
             if any(ESC in v for v in strings):  # a special string marked
-                with counting(self.guard.count):
+                with checking(self.guard):
                     stood_in = self.template.render([self._each(m, self.guard.stand_in) for m in value])
                 self.guard.check_markup(text, stood_in)
         return text

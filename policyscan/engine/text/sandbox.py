@@ -7,20 +7,15 @@ integer product or power past INT_BITS bits, padding past BUILT_LIMIT (`'x'.ljus
 `%` or `format` width or precision), and a replace that would grow a string past it. Real chat templates do none
 of these; numbers in the data (a timestamp passed to `format`) are no sizes and pass.
 
-Also refused, while `counting` says how to count the tokenizer's special-token strings: a filter, str method, `%`,
-`+` or `~` that makes a special-token string out of a message's text (`lower` on '<|EOS|>', a `replace` or `join`
-that closes '<|e os|>' up). A message's strings reach the template as `Text`; what a step makes of a Text is Text
-again (its pieces, its lower-case), so the check follows the content through the template. A filter other than
-`format` and `join` may make none out of any text, Text or not: a `{% filter lower %}` block's body is rendered
-into a plain string first."""
+Steps are also followed as engine/text/follow.py says, so that no step makes a control token out of a message's
+text."""
 from __future__ import annotations
 
 import functools
 import re
 import string
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+
+from policyscan.engine.text.follow import followed_filter, joined, method, printed, transformed
 
 BUILT_LIMIT = 1 << 24  # items one step may build: far past any conversation's rendering
 INT_BITS = 1 << 16  # bits of an integer a product or power may make
@@ -29,36 +24,10 @@ PADDING_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
 PADDING_FILTERS = frozenset({"center", "indent", "wordwrap", "truncate", "batch", "slice"})
 _PERCENT = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
 _SPEC_WIDTH = re.compile(r"^(?:.?[<>=^])?[-+ ]?#?0?(\d+)?[,_]?(?:\.(\d+))?")
-_COUNT: ContextVar[Callable[[list[str]], int] | None] = ContextVar("special_token_count", default=None)
-BUILDING_FILTERS = frozenset({"format", "join"})  # build from parts, as `~` does: checked where a part is Text
 
 
 class TemplateLimitError(ValueError):
     """A chat template step that would build more than the sandbox allows."""
-
-
-class ContentControlError(ValueError):
-    """A chat template step that would make a special-token string out of a message's text."""
-
-
-class Text(str):
-    """A message's string as the template sees it: a str whose pieces stay Text."""
-
-    def __getitem__(self, key) -> "Text":  # Jinja slices without the environment: a piece stays Text
-        return Text(super().__getitem__(key))
-
-    def __iter__(self) -> Iterator["Text"]:  # a template's loop over the characters: each stays Text
-        return (Text(c) for c in str.__iter__(self))
-
-
-@contextmanager
-def counting(count: Callable[[list[str]], int]) -> Iterator[None]:
-    """Within: template steps are checked with `count`, which says how many special-token strings texts hold."""
-    token = _COUNT.set(count)
-    try:
-        yield
-    finally:
-        _COUNT.reset(token)
 
 
 def sandbox():
@@ -67,11 +36,13 @@ def sandbox():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Following(CodeGenerator):
-        """`~` compiled to the environment's concat instead of a bare join, so that what it makes of a Text is
-        Text (Jinja's own join has no hook)."""
+        """`~` compiled to the environment's joined_values instead of a bare join (Jinja's own has no hook), but where
+        the template escapes its output (no chat template does), which Jinja's join does."""
 
         def visit_Concat(self, node, frame) -> None:
-            self.write("environment.concat((")
+            if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
+                return super().visit_Concat(node, frame)
+            self.write("environment.joined_values((")
             for arg in node.nodes:
                 self.visit(arg, frame)
                 self.write(", ")
@@ -81,93 +52,37 @@ def sandbox():
         intercepted_binops = frozenset({"*", "**", "%", "+"})
         code_generator_class = Following
 
-        def concat(self, values: tuple) -> str:
-            return _follow("'~'", values, "".join(map(str, values)))
+        def joined_values(self, values: tuple) -> str:
+            return joined("'~'", list(values), "".join(map(str, values)))
+
+        def concat(self, pieces) -> str:  # Jinja joins a template's, a macro's or a block's output with it
+            parts = list(pieces)
+            return joined("output", parts, "".join(parts))
 
         def call_binop(self, context, operator, left, right):
             _check_binop(operator, left, right)
             made = super().call_binop(context, operator, left, right)
-            return _follow(f"'{operator}'", (left, right), made) if operator in ("%", "+") else made
+            if operator == "+":
+                return joined("'+'", [left, right], made)
+            if operator == "%":
+                return transformed("'%'", (left, right), made, strict=False)
+            if operator == "*" and isinstance(made, str):
+                seq, n = (left, right) if isinstance(left, str) else (right, left)
+                return joined("'*'", [seq] * n, made) if 1 < n <= 64 else transformed("'*'", (seq,), made, False)
+            return made
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  Jinja's own signature
-            method = getattr(__obj, "__wrapped__", __obj)  # the sandbox hands str.format out wrapped
-            owner = getattr(method, "__self__", None)
+            fn = getattr(__obj, "__wrapped__", __obj)  # the sandbox hands str.format out wrapped
+            owner = getattr(fn, "__self__", None)
             if not isinstance(owner, str):  # a macro or a global: its own markup is the template's
                 return super().call(__context, __obj, *args, **kwargs)
-            _check_method(method.__name__, owner, args, kwargs)
-            if method.__name__ == "join" and args:  # its pieces are counted, so a generator is read once here
-                args = (_listed(args[0]), *args[1:])
-                made = super().call(__context, __obj, *args, **kwargs)
-                return _follow("str.join", (owner, *args), made, joined=(owner, args[0]))
-            made = super().call(__context, __obj, *args, **kwargs)
-            return _follow(f"str.{method.__name__}", (owner, *args, *kwargs.values()), made)
+            _check_method(fn.__name__, owner, args, kwargs)
+            return method(fn.__name__, owner, args, kwargs,
+                          lambda *a, **k: ImmutableSandboxedEnvironment.call(__self, __context, __obj, *a, **k))
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True)
-    env.filters = {name: _followed_filter(name, _bounded_filter(name, f)) for name, f in env.filters.items()}
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, finalize=printed)
+    env.filters = {name: followed_filter(name, _bounded_filter(name, f)) for name, f in env.filters.items()}
     return env
-
-
-def _follow(step: str, inputs: tuple, made, joined: tuple[str, list] | None = None, strict: bool = False):
-    """`made`, what `step` built from `inputs`: refused if one of them is a message's Text (any, when `strict`) and
-    `made` holds more special-token strings than the inputs (a join's separator, `joined`, counted once a seam),
-    else Text again where it came from a Text, so that later steps are checked too."""
-    count = _COUNT.get()
-    if count is None:
-        return made
-    strings = _strings(inputs)
-    tainted = any(type(v) is Text for v in strings)
-    if not (tainted or strict):
-        return made
-    held_by_made = count(_strings((made,)))
-    if held_by_made:
-        held = count(strings)
-        if joined is not None:
-            pieces = _strings((joined[1],))
-            held = count(pieces) + count(_strings(joined[:1])) * max(len(pieces) - 1, 0)
-        if held_by_made > held:
-            raise ContentControlError(
-                f"the chat template's {step} makes a special-token string out of a message's text, so that text "
-                "would become control tokens; such a conversation cannot be scored with this template")
-    if not tainted:
-        return made
-    if isinstance(made, str) and not isinstance(made, Text):
-        return Text(made)
-    if isinstance(made, (list, tuple)) and any(isinstance(v, str) for v in made):
-        return type(made)(Text(v) if isinstance(v, str) and not isinstance(v, Text) else v for v in made)
-    return made
-
-
-def _strings(values) -> list[str]:
-    """The strings among `values` and one level into their lists and tuples (a join's pieces)."""
-    out = []
-    for v in values:
-        if isinstance(v, str):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out += [x for x in v if isinstance(x, str)]
-    return out
-
-
-def _listed(v):
-    """An iterable that is no str, list, tuple or mapping, read into a list (a generator from `map`)."""
-    return v if isinstance(v, (str, list, tuple, dict)) or not hasattr(v, "__iter__") else list(v)
-
-
-def _followed_filter(name: str, f):
-    """A filter whose result is checked and followed as _follow says; join's pieces read once and counted."""
-    at = 1 if getattr(f, "jinja_pass_arg", None) else 0  # Jinja passes a marked filter's context first
-
-    @functools.wraps(f)
-    def followed(*args, **kwargs):
-        if name == "join" and at < len(args):
-            args = (*args[:at], _listed(args[at]), *args[at + 1:])
-        values = (*args[at:], *kwargs.values())
-        made = f(*args, **kwargs)
-        if name == "join" and values:
-            sep = values[1] if len(values) > 1 else kwargs.get("d", "")
-            return _follow("join filter", values, made, joined=(sep, values[0]))
-        return _follow(f"{name} filter", values, made, strict=name not in BUILDING_FILTERS)
-    return followed
 
 
 def _check_binop(operator: str, left, right) -> None:
@@ -220,7 +135,7 @@ def _check_format(text: str, values: list) -> None:
 
 def _check_size(n, what: str) -> None:
     if isinstance(n, str):  # a size written in a format string, or given as one
-        n = int(n) if n.isdigit() and len(n) < 20 else (BUILT_LIMIT + 1 if n.isdigit() else 0)
+        n = int(n) if n.isdecimal() and len(n) < 20 else (BUILT_LIMIT + 1 if n.isdecimal() else 0)
     if _is_int(n) and abs(n) > BUILT_LIMIT:
         _refuse(f"asks {what} of {_say(n)}")
 
