@@ -61,7 +61,8 @@ class Job:
 # text encode as text; 4: a prompt is cut at the model's max_position_embeddings when --max-length is more; 5: null
 # and ill-typed ids, JSON naming a key twice and damaged gzip data are errors, not scored rows; strings nested in a
 # message encode as text; 6: sequences of 2048 keys or more take a larger attention tile on the GPU, whose key block
-# sums the softmax in another order; a chat template step that makes a special-token string of content fails the row).
+# sums the softmax in another order; a chat template step that makes a special-token string of content fails the row;
+# tojson renders as transformers' chat templates render it, without HTML escapes and with keys in their order).
 SCORING_REVISION = 6
 
 

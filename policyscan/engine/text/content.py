@@ -124,6 +124,10 @@ class ContentGuard:
             return 0
         return sum(1 for _ in self._find.finditer(text))
 
+    @property
+    def marks(self) -> str:
+        return ESC + BRK
+
     def crossing(self, text: str, seams: list[int]) -> int:
         """How many special-token strings of `text` start before and end after one of the positions `seams`
         (only the characters around each seam are read)."""
@@ -235,10 +239,14 @@ strings reach the template as follow.Text, so a step that would make a special-t
         return v
 
     def _key(self, k):
-        if isinstance(k, str) and self.guard.holds_special(k):
+        """A key as the template sees it: Text, followed as values are (a template may print a tool call's argument
+        names), unmarked, since it is looked up by name."""
+        if not isinstance(k, str):
+            return k
+        if self.guard.holds_special(k):
             raise InputError(f"a message holds the key {_shown(k)}, which holds a special-token string; keys are "
                              "looked up by name, so they cannot be marked as text: rename the key or drop the field")
-        return k
+        return Text(k)
 
 
 def _strings(v) -> list[str]:

@@ -24,9 +24,14 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Protocol
 
-from markupsafe import Markup
-
 BUILDING = frozenset({"format", "format_map", "join"})  # filters and str methods that build from parts
+# filters and str methods whose strings are inputs or pieces of one (a selection, a split, a trim): nothing to count
+SELECTING = frozenset({"select", "reject", "selectattr", "rejectattr", "list", "first", "last", "sort", "unique",
+                       "dictsort", "items", "batch", "slice", "random", "groupby", "min", "max", "default", "d",
+                       "attr", "map", "length", "count", "wordcount", "int", "float", "bool", "string", "trim",
+                       "strip", "lstrip", "rstrip", "split", "rsplit", "splitlines", "partition", "rpartition",
+                       "startswith", "endswith", "find", "rfind", "index", "rindex", "removeprefix",
+                       "removesuffix", "isalpha", "isdigit", "isspace", "isupper", "islower", "isalnum", "istitle"})
 _CHECKS: ContextVar[Checks | None] = ContextVar("template_checks", default=None)
 _DEPTH = 4  # how deep into lists and dicts a step's inputs are searched for strings
 
@@ -36,6 +41,8 @@ class Checks(Protocol):
 
     def count(self, texts: list[str]) -> int:
         """Special-token strings the texts hold, none across two of them."""
+
+    marks: str  # the characters that mark content: two alike side by side read as one literal character
 
     def crossing(self, text: str, seams: list[int]) -> int:
         """Special-token strings of `text` that start before and end after one of the positions `seams`."""
@@ -89,6 +96,9 @@ def joined(step: str, parts: list, made):
     seams.discard(at)
     if seams and checks.crossing(made, sorted(seams)):
         raise ContentControlError(step)
+    if any(made[i - 1] == made[i] and made[i] in checks.marks for i in seams):  # a mark cut from its pair meets one
+        raise ContentControlError(step, "joins two marks of a message's text into one character, which would make "
+                                        "its special-token string control")
     return _as_text(made)
 
 
@@ -134,6 +144,8 @@ def method(name: str, owner: str, args: tuple, kwargs: dict, call: Callable):
         return joined("str.join", _interleaved(parts, owner), made) if parts else made
     made = call(*args, **kwargs)
     also = _replaced(owner, args) if name == "replace" else 0
+    if name in SELECTING:
+        return _follow_result(made) if _tainted((owner, *args)) and _CHECKS.get() is not None else made
     return transformed(f"str.{name}", (owner, *args, *kwargs.values()), made, strict=name not in BUILDING,
                        also_held=also)
 
@@ -151,6 +163,8 @@ def followed_filter(name: str, f):
         if name == "join" and values and isinstance(values[0], (list, tuple)) and "attribute" not in kwargs:
             sep = values[1] if len(values) > 1 else kwargs.get("d", "")
             return joined("join filter", _interleaved(list(values[0]), sep), made)
+        if name in SELECTING:
+            return _follow_result(made) if _CHECKS.get() is not None and _tainted(values) else made
         also = _replaced(values[0], values[1:3]) if name == "replace" and values else 0
         return transformed(f"{name} filter", values, made, strict=name not in BUILDING, also_held=also)
     return followed
@@ -187,7 +201,7 @@ def _follow_result(made):
 
 
 def _as_text(v):
-    return Text(v) if isinstance(v, str) and not isinstance(v, (Text, Markup)) else v
+    return Text(v) if isinstance(v, str) and not isinstance(v, Text) else v  # Markup too: nothing is escaped
 
 
 def _strings(values, depth: int = _DEPTH) -> list[str]:

@@ -12,10 +12,11 @@ text."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 import string
 
-from policyscan.engine.text.follow import followed_filter, joined, method, printed, transformed
+from policyscan.engine.text.follow import ContentControlError, followed_filter, joined, method, printed, transformed
 
 BUILT_LIMIT = 1 << 24  # items one step may build: far past any conversation's rendering
 INT_BITS = 1 << 16  # bits of an integer a product or power may make
@@ -81,8 +82,15 @@ def sandbox():
                           lambda *a, **k: ImmutableSandboxedEnvironment.call(__self, __context, __obj, *a, **k))
 
     env = Bounded(trim_blocks=True, lstrip_blocks=True, finalize=printed)
+    env.filters["tojson"] = _tojson
     env.filters = {name: followed_filter(name, _bounded_filter(name, f)) for name, f in env.filters.items()}
     return env
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """tojson as transformers defines it for chat templates (Jinja's own escapes '<' and '>' for HTML and sorts
+    keys), so that a tool call renders as transformers renders it; a message's marks pass through as they are."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _check_binop(operator: str, left, right) -> None:
@@ -95,9 +103,11 @@ def _check_binop(operator: str, left, right) -> None:
     elif operator == "**":
         if _is_int(left) and _is_int(right) and abs(left) > 1 and left.bit_length() * max(right, 0) > INT_BITS:
             _refuse(f"raises an integer of {left.bit_length()} bits to the power {_say(right)}")
-    elif isinstance(left, str):  # '%' formatting: a width or precision, written or given by '*'
+    elif operator == "%" and isinstance(left, str):  # formatting: a width or precision, written or given by '*'
         values = list(right) if isinstance(right, tuple) else [right]
         for m in _PERCENT.finditer(left):
+            if m.group().endswith("c"):
+                _no_characters("'%c'")
             for size in m.groups():
                 n = values.pop(0) if size == "*" and values else size
                 _check_size(n, "a % width or precision")
@@ -122,6 +132,8 @@ def _check_format(text: str, values: list) -> None:
     except ValueError:  # not a format string str.format would take: it raises itself
         return
     for _, _, spec, _ in fields:
+        if spec and spec.endswith("c"):
+            _no_characters("format's 'c'")
         if not spec:
             continue
         if "{" in spec:  # nested: the sizes are arguments
@@ -131,6 +143,11 @@ def _check_format(text: str, values: list) -> None:
         m = _SPEC_WIDTH.match(spec)
         for size in (m.groups() if m else ()):
             _check_size(size, "a format width or precision")
+
+
+def _no_characters(what: str):
+    """A conversion that makes a character of a number, which a message's text may set ('%c' of its length)."""
+    raise ContentControlError(what, "makes a character out of a number, which a message's text may set")
 
 
 def _check_size(n, what: str) -> None:
