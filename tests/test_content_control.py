@@ -215,7 +215,7 @@ def test_a_template_that_rewrites_contents_holding_special_tokens_is_that_rows_e
     enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / "m",
                                      "{% for m in messages %}<|eos|>{{ m.content[1:] }}{% endfor %}"))
     assert _special_ids(enc.encode(enc.render([{"role": "user", "content": "-hi"}])), enc) == [1]
-    with pytest.raises(ValueError, match="rewrites message contents"):
+    with pytest.raises(ValueError, match="cuts a mark of a message's text"):
         enc.render([{"role": "user", "content": "<|eos|>hi"}])
 
 
@@ -260,7 +260,11 @@ MADE_BY_A_STEP = [("{{ m.content | lower }}", "<|EOS|>"), ("{{ m.content.upper()
                   ("{{ (m.content | safe)[:3] }}{{ (m.content | safe)[5:] }}", "<|eXXos|>"),
                   ("{% for k in m.args %}<|e{{ k }}{% endfor %}", "os|>"),
                   ("{{ '%c' | format(m.content | int) }}|eos|>", "60"),
-                  ("{{ '%c' % (m.content | length) }}|eos|>", "x" * 60)]
+                  ("{{ '%c' % (m.content | length) }}|eos|>", "x" * 60), ("{{ '%lc' % 60 }}|eos|>", "x"),
+                  ("{{ '{:{}}'.format(m.content | length, 'c') }}|eos|>", "x" * 60),
+                  ("{{ (m.content | int).to_bytes(1, 'big').decode() }}|eos|>", "60"),
+                  ("{{ m.args | join }}", "os|>"), ("{{ ''.join(m.args.values()) }}", "os|>"),
+                  ("{{ ''.join(m.content[:4]) ~ ''.join(m.content[5:]) }}", "<|eoXs|>")]
 
 
 @pytest.mark.parametrize("step, content", MADE_BY_A_STEP)
@@ -270,13 +274,13 @@ def test_a_template_step_that_makes_a_special_token_out_of_content_is_that_rows_
     special token renders as the template renders it."""
     enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / "m", "{% for m in messages %}<|eos|>" + step
                                      + "{% endfor %}"))
-    with pytest.raises(ValueError, match=r"makes a (special-token string|character) out of"):
-        enc.render([{"role": "user", "content": content, "args": {content: 1}}])
-    if "%c" in step:
+    with pytest.raises(ValueError, match=r"makes (a special-token string|a character|bytes)"):
+        enc.render([{"role": "user", "content": content, "args": {"<|e": "<|e", content: content}}])
+    if "%" in step or "'c'" in step or "to_bytes" in step:
         return
-    clean = enc.render([{"role": "user", "content": "Plain Words"}])
-    assert _special_ids(enc.encode(clean), enc) == [1] and clean == enc.chat_template.render(
-        [{"role": "user", "content": "Plain Words"}])
+    plain = [{"role": "user", "content": "Plain Words", "args": {"a": "b"}}]
+    clean = enc.render(plain)
+    assert _special_ids(enc.encode(clean), enc) == [1] and clean == enc.chat_template.render(plain)
 
 
 def test_a_mark_cut_from_its_pair_cannot_join_another(tmp_path):
@@ -284,8 +288,13 @@ def test_a_mark_cut_from_its_pair_cannot_join_another(tmp_path):
     starts with a marked special-token string, would read as the literal character and a bare control token."""
     enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / "m",
                                      "{% for m in messages %}{{ m.a[:1] }}{{ m.b }}{% endfor %}"))
-    with pytest.raises(ValueError, match="joins two marks"):
+    with pytest.raises(ValueError, match="cuts a mark of a message's text"):
         enc.render([{"role": "user", "a": ESC, "b": "<|bos|>", "content": ""}])
+    enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / "m2", "{% for m in messages %}{% if '<' not in "
+                                     "m.content %}<|eos|>{% endif %}{{ m.content[m.content.find('<'):] }}{% endfor %}"))
+    with pytest.raises(ValueError, match="cuts a mark of a message's text"):  # the stand-in render would agree
+        enc.render([{"role": "user", "content": "<|eos|>"}])
+    assert enc.render([{"role": "user", "content": "a < b"}]) == "< b"
 
 
 def test_a_template_that_turns_text_into_bytes_is_that_rows_error(tmp_path):
@@ -337,6 +346,18 @@ def test_tojson_renders_as_transformers_renders_it_and_keeps_typed_special_token
     assert _special_ids(enc.encode(enc.render([forged])), enc) == [1]
     for content in ("> quoted line", "x = 1 <", "|> odd", "<|eos|>"):
         assert _special_ids(enc.encode(enc.render([{"role": "tool", "content": content}])), enc) == [1], content
+
+
+def test_messages_reach_the_template_as_transformers_hands_them_over(tmp_path):
+    """A field that is null (a Parquet struct's absent tool_calls) is left out, and a message's reasoning is under
+    reasoning_content and thinking whichever name it came under, as transformers' apply_chat_template does."""
+    enc = TextEncoder(_with_template(SAMPLE / "model", tmp_path / "m", "{% for m in messages %}[{{ m.role }}"
+                                     "{% if 'tool_calls' in m %} calls {{ m.tool_calls | length }}{% endif %}"
+                                     "{% if m.reasoning_content %} thinks {{ m.reasoning_content }}/{{ m.thinking }}"
+                                     "{% endif %}] {{ m.content }}\n{% endfor %}"))
+    messages = [{"role": "user", "content": "hi", "tool_calls": None, "reasoning": None},
+                {"role": "assistant", "content": "ok", "tool_calls": None, "reasoning": "because"}]
+    assert enc.render(messages) == "[user] hi\n[assistant thinks because/because] ok\n"
 
 
 def test_the_marks_themselves_typed_in_content_stay_text(encoders):

@@ -204,6 +204,7 @@ strings reach the template as follow.Text, so a step that would make a special-t
             return self.guard.escape(value) if self.text_is_rendered else self.guard.mark(value)
         if self.template is None:  # the CLI refuses this before scoring; a row error for other callers
             raise InputError(f"{NO_TEMPLATE}; pass --chat-template plain for 'role: content' lines")
+        value = [_as_transformers_passes(m) for m in value]
         marked = [self._each(m, self.guard.mark) for m in value]
         with checking(self.guard):
             text = str(self.template.render(marked))  # a plain str: a Text's pieces are followed, at a cost
@@ -247,6 +248,18 @@ strings reach the template as follow.Text, so a step that would make a special-t
             raise InputError(f"a message holds the key {_shown(k)}, which holds a special-token string; keys are "
                              "looked up by name, so they cannot be marked as text: rename the key or drop the field")
         return Text(k)
+
+
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' names for a message's reasoning
+
+
+def _as_transformers_passes(message: dict) -> dict:
+    """A message as transformers hands it to a chat template: keys whose value is None dropped (a Parquet struct
+    gives every message every field; templates test `'tool_calls' in message`), and the reasoning under each of the
+    names templates read, `reasoning_content` and `thinking`."""
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _strings(v) -> list[str]:

@@ -33,7 +33,7 @@ SELECTING = frozenset({"select", "reject", "selectattr", "rejectattr", "list", "
                        "startswith", "endswith", "find", "rfind", "index", "rindex", "removeprefix",
                        "removesuffix", "isalpha", "isdigit", "isspace", "isupper", "islower", "isalnum", "istitle"})
 _CHECKS: ContextVar[Checks | None] = ContextVar("template_checks", default=None)
-_DEPTH = 4  # how deep into lists and dicts a step's inputs are searched for strings
+_DEPTH = 32  # how deep into lists and dicts a step's inputs are searched for strings (JSON nests no deeper)
 
 
 class Checks(Protocol):
@@ -62,8 +62,17 @@ class Text(str):
 
     def __getitem__(self, key) -> Text:  # Jinja slices without the environment
         made = Text(super().__getitem__(key))
-        if isinstance(key, slice) and key.step not in (None, 1):  # every other character: a new string
+        checks = _CHECKS.get()
+        if checks is None:
+            return made
+        if not isinstance(key, slice):  # one character
+            return _cut() if made in checks.marks else made
+        if key.step not in (None, 1):  # every other character: a new string
             return transformed("slice with a step", (self,), made, strict=True)
+        start, stop, _ = key.indices(len(self))
+        marks = checks.marks
+        if made and ((start and str.__getitem__(self, start - 1) in marks) or (stop < len(self) and made[-1] in marks)):
+            _cut()
         return made
 
     def __iter__(self) -> Iterator[Text]:  # a template's loop over the characters: each stays Text
@@ -138,10 +147,9 @@ def method(name: str, owner: str, args: tuple, kwargs: dict, call: Callable):
     if name == "encode" and _CHECKS.get() is not None:
         raise ContentControlError("str.encode", "turns text into bytes, where a message's text cannot be followed")
     if name == "join" and args:  # the parts are counted, so a generator is read once here
-        args = (_listed(args[0]), *args[1:])
-        parts = list(args[0]) if isinstance(args[0], (list, tuple)) else []
+        args = (_parts(args[0]), *args[1:])
         made = call(*args, **kwargs)
-        return joined("str.join", _interleaved(parts, owner), made) if parts else made
+        return joined("str.join", _interleaved(args[0], owner), made) if isinstance(args[0], list) else made
     made = call(*args, **kwargs)
     also = _replaced(owner, args) if name == "replace" else 0
     if name in SELECTING:
@@ -157,10 +165,10 @@ def followed_filter(name: str, f):
     @functools.wraps(f)
     def followed(*args, **kwargs):
         if at < len(args):
-            args = (*args[:at], _listed(args[at]), *args[at + 1:])
+            args = (*args[:at], (_parts if name == "join" else _listed)(args[at]), *args[at + 1:])
         values = (*args[at:], *kwargs.values())
         made = f(*args, **kwargs)
-        if name == "join" and values and isinstance(values[0], (list, tuple)) and "attribute" not in kwargs:
+        if name == "join" and values and isinstance(values[0], list) and "attribute" not in kwargs:
             sep = values[1] if len(values) > 1 else kwargs.get("d", "")
             return joined("join filter", _interleaved(list(values[0]), sep), made)
         if name in SELECTING:
@@ -200,6 +208,11 @@ def _follow_result(made):
     return _as_text(made)
 
 
+def _cut():
+    raise ContentControlError("slice", "cuts a mark of a message's text from what it marks, which would make a "
+                                       "special-token string typed there control")
+
+
 def _as_text(v):
     return Text(v) if isinstance(v, str) and not isinstance(v, Text) else v  # Markup too: nothing is escaped
 
@@ -220,3 +233,11 @@ def _strings(values, depth: int = _DEPTH) -> list[str]:
 def _listed(v):
     """An iterator (a generator from `map`, say) read into a list; anything else as it is."""
     return list(v) if isinstance(v, Iterator) else v
+
+
+def _parts(v):
+    """What a join joins, as a list: a list's or tuple's items, a string's characters (Text if it is), a mapping's
+    keys, a view's or an iterator's items."""
+    if isinstance(v, (list, tuple)):
+        return list(v)
+    return list(v) if isinstance(v, str) or hasattr(v, "__iter__") else v

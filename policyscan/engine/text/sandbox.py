@@ -23,7 +23,7 @@ INT_BITS = 1 << 16  # bits of an integer a product or power may make
 # the str methods and filters whose integer arguments are sizes of what they build
 PADDING_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
 PADDING_FILTERS = frozenset({"center", "indent", "wordwrap", "truncate", "batch", "slice"})
-_PERCENT = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
+_PERCENT = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?[a-zA-Z%]")
 _SPEC_WIDTH = re.compile(r"^(?:.?[<>=^])?[-+ ]?#?0?(\d+)?[,_]?(?:\.(\d+))?")
 
 
@@ -75,6 +75,9 @@ def sandbox():
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  Jinja's own signature
             fn = getattr(__obj, "__wrapped__", __obj)  # the sandbox hands str.format out wrapped
             owner = getattr(fn, "__self__", None)
+            if isinstance(owner, (bytes, bytearray)) or (isinstance(owner, int) and fn.__name__ == "to_bytes"):
+                raise ContentControlError(f"{type(owner).__name__}.{fn.__name__}", "makes bytes or text of bytes, "
+                                          "where a message's text cannot be followed")
             if not isinstance(owner, str):  # a macro or a global: its own markup is the template's
                 return super().call(__context, __obj, *args, **kwargs)
             _check_method(fn.__name__, owner, args, kwargs)
@@ -136,9 +139,11 @@ def _check_format(text: str, values: list) -> None:
             _no_characters("format's 'c'")
         if not spec:
             continue
-        if "{" in spec:  # nested: the sizes are arguments
+        if "{" in spec:  # nested: the sizes, and perhaps the conversion, are arguments
             for v in values:
                 _check_size(v, "a format width")
+                if isinstance(v, str) and v.endswith("c"):
+                    _no_characters("format's nested spec")
             continue
         m = _SPEC_WIDTH.match(spec)
         for size in (m.groups() if m else ()):
