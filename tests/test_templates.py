@@ -136,3 +136,39 @@ def test_plain_and_the_jinja_file_are_used_and_recorded_in_the_metadata(tmp_path
     meta = read_metadata(tmp_path / "jinja.parquet")
     assert meta["chat_template"]["source"] == str(model / "chat_template.jinja")
     assert len(meta["chat_template"]["sha256"]) == 64
+
+
+# A template in the style of newer Qwen and Llama ones: loop controls, generation blocks, tools tested for, tool
+# calls through tojson, and reasoning
+TRANSFORMERS_STYLE = (
+    "{% if tools is defined and tools is not none %}tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}<|{{ m.role }}|>"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% generation %}{{ m.content }}{% endgeneration %}"
+    "{% if 'tool_calls' in m %}{% for t in m.tool_calls %}{{ t.function | tojson }}{% if loop.index > 1 %}"
+    "{% break %}{% endif %}{% endfor %}{% endif %}\n{% endfor %}")
+
+
+def test_templates_render_as_transformers_renders_them(tmp_path):
+    """The same template and messages through transformers' own chat-template compiler give the same text:
+    loop controls, generation blocks, tools passed as none, tojson without HTML escapes and in key order, null
+    fields left out, reasoning aliased."""
+    hf = pytest.importorskip("transformers.utils.chat_template_utils")
+    needed = ("_compile_jinja_template", "_normalize_chat_messages", "_alias_reasoning_fields")
+    if not all(hasattr(hf, f) for f in needed):
+        pytest.skip("this transformers does not normalize messages before its chat templates")
+    model = tmp_path / "m"
+    model.mkdir()
+    shutil.copy(SAMPLE / "model" / "tokenizer.json", model / "tokenizer.json")
+    cfg = json.loads((SAMPLE / "model" / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TRANSFORMERS_STYLE}))
+    calls = [{"type": "function", "function": {"name": "find", "arguments": {"z": "a < b & c", "a": ["é", 1]}}}] * 3
+    messages = [{"role": "system", "content": "Be brief.", "tool_calls": None},
+                {"role": "skip", "content": "never shown"},
+                {"role": "user", "content": "Find it > now", "tool_calls": None},
+                {"role": "assistant", "content": "Calling.", "tool_calls": calls, "reasoning": "look it up"}]
+    ours = TextEncoder(model).render(messages)
+    normalized = hf._alias_reasoning_fields(hf._normalize_chat_messages(messages))
+    theirs = hf._compile_jinja_template(TRANSFORMERS_STYLE).render(messages=normalized, tools=None, documents=None,
+                                                                     bos_token="", add_generation_prompt=False)
+    assert ours == theirs

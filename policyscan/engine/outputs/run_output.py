@@ -63,8 +63,8 @@ class Job:
 # message encode as text; 6: sequences of 2048 keys or more take a larger attention tile on the GPU, whose key block
 # sums the softmax in another order; a chat template step that makes a special-token string of content fails the row;
 # tojson renders as transformers' chat templates render it, without HTML escapes and with keys in their order; a
-# message's null fields are left out and its reasoning is under reasoning_content and thinking, as transformers passes
-# them).
+# message's null fields are left out and its reasoning is under reasoning_content and thinking, tools and documents
+# are none, as transformers passes them).
 SCORING_REVISION = 6
 
 

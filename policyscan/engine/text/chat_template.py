@@ -53,8 +53,9 @@ class ChatTemplate:
         if self.source is None:
             return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
         with _time_limit(self.seconds):
-            return _compile(self.source, self.origin).render(messages=messages, bos_token="",
-                                                             add_generation_prompt=False, eos_token=self.eos_token)
+            return _compile(self.source, self.origin).render(messages=messages, bos_token="", tools=None,
+                                                             documents=None, add_generation_prompt=False,
+                                                             eos_token=self.eos_token)
 
 
 def model_templates(model_dir: Path, tokenizer_config: dict) -> dict[str, tuple[str, str]]:

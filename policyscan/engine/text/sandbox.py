@@ -84,10 +84,31 @@ def sandbox():
             return method(fn.__name__, owner, args, kwargs,
                           lambda *a, **k: ImmutableSandboxedEnvironment.call(__self, __context, __obj, *a, **k))
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, finalize=printed)
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, finalize=printed,
+                  extensions=["jinja2.ext.loopcontrols", _generation_blocks()])
     env.filters["tojson"] = _tojson
     env.filters = {name: followed_filter(name, _bounded_filter(name, f)) for name, f in env.filters.items()}
     return env
+
+
+def _generation_blocks():
+    """`{% generation %}...{% endgeneration %}`, which transformers' templates use to mark the assistant's tokens
+    for training masks: rendered as its body, as transformers renders it."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return Generation
 
 
 def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
