@@ -193,11 +193,12 @@ class Conversations:
     """A conversation cell -> the marked text the encoder reads: a text's special-token strings stay text (unless
     the texts are trusted renderings, `text_is_rendered`); a messages list is rendered through the run's chat
     template with every string of every message marked, so only the template's markup holds control tokens. The
-strings reach the template as follow.Text, so a step that would make a special-token string of them is refused."""
+    strings reach the template as follow.Text, so a step that would make a special-token string of them is refused."""
 
     template: ChatTemplate | None
     guard: ContentGuard
     text_is_rendered: bool = False
+    _keys: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # key -> its Text
 
     def __call__(self, value: str | list[dict]) -> str:
         if isinstance(value, str):
@@ -244,10 +245,15 @@ strings reach the template as follow.Text, so a step that would make a special-t
         names), unmarked, since it is looked up by name."""
         if not isinstance(k, str):
             return k
-        if self.guard.holds_special(k):
-            raise InputError(f"a message holds the key {_shown(k)}, which holds a special-token string; keys are "
-                             "looked up by name, so they cannot be marked as text: rename the key or drop the field")
-        return Text(k)
+        if (text := self._keys.get(k)) is None:  # the same few keys in every message
+            if self.guard.holds_special(k):
+                raise InputError(f"a message holds the key {_shown(k)}, which holds a special-token string; keys "
+                                 "are looked up by name, so they cannot be marked as text: rename the key or drop the "
+                                 "field")
+            text = Text(k)
+            if len(self._keys) < 4096:
+                self._keys[k] = text
+        return text
 
 
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' names for a message's reasoning

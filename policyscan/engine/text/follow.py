@@ -198,7 +198,13 @@ def _replaced(owner, args) -> int:
 
 
 def _tainted(values) -> bool:
-    return any(type(v) is Text for v in _strings(values))
+    """Whether a Text is among `values` or in their lists, tuples and dict values."""
+    for v in values:
+        if type(v) is Text:
+            return True
+        if isinstance(v, (list, tuple, dict)) and any(type(x) is Text for x in _strings((v,))):
+            return True
+    return False
 
 
 def _follow_result(made):
