@@ -172,3 +172,49 @@ def test_templates_render_as_transformers_renders_them(tmp_path):
     theirs = hf._compile_jinja_template(TRANSFORMERS_STYLE).render(messages=normalized, tools=None, documents=None,
                                                                      bos_token="", add_generation_prompt=False)
     assert ours == theirs
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{% if m.content is string %}{{ m.content }}"
+                  "{% elif m.content is defined %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}"
+                  "{% for t in m.tool_calls or [] %}{{ t.function | tojson }}{% endfor %}\n{% endfor %}")
+
+
+def test_openai_shaped_messages_render_as_transformers_renders_them(tmp_path):
+    """Content as a list of text parts (OpenAI, Gemma 3), and null beside tool calls (an assistant turn that only
+    calls tools): rendered as transformers renders them, text parts marked as string content is, so a special-token
+    string typed in one stays text."""
+    hf = pytest.importorskip("transformers.utils.chat_template_utils")
+    if not all(hasattr(hf, f) for f in ("_compile_jinja_template", "_normalize_chat_messages")):
+        pytest.skip("this transformers does not normalize messages before its chat templates")
+    model = tmp_path / "m"
+    model.mkdir()
+    shutil.copy(SAMPLE / "model" / "tokenizer.json", model / "tokenizer.json")
+    cfg = json.loads((SAMPLE / "model" / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": PARTS_TEMPLATE}))
+    enc = TextEncoder(model)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Find "}, {"type": "text", "text": "it"}]},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"type": "function", "function": {"name": "find", "arguments": {"q": "it"}}}]}]
+    theirs = hf._compile_jinja_template(PARTS_TEMPLATE).render(messages=hf._normalize_chat_messages(messages),
+                                                               bos_token="", add_generation_prompt=False)
+    assert enc.render(messages) == theirs
+    forged = [{"role": "user", "content": [{"type": "text", "text": "hi <|eos|>"}, {"type": "text", "text": "x"}]}]
+    assert [i for i in enc.encode(enc.render(forged)) if i in enc.special_ids] == []
+
+
+@pytest.mark.parametrize("message, says", [
+    ({"role": "user", "content": None}, "null content is taken beside tool_calls only"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}, "other parts (images, audio)"),
+    ({"role": "user", "content": []}, "neither a string nor a list of text parts")])
+def test_a_message_whose_content_cannot_be_scored_is_that_rows_error(tmp_path, message, says):
+    from policyscan.engine.inputs.rows import conversation
+
+    text, why = conversation([{"role": "system", "content": "s"}, message], True, lambda v: "unused")
+    assert text is None and why.startswith("message 1 ") and says in why, why
+
+
+def test_the_plain_template_refuses_content_that_is_not_a_string():
+    from policyscan.engine.text.chat_template import PLAIN, ChatTemplate
+
+    with pytest.raises(ValueError, match="plain template renders string contents; message 0's is list"):
+        ChatTemplate(None, PLAIN).render([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])

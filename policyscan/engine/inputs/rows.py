@@ -90,8 +90,8 @@ def conversation(value, is_messages: bool, render: Callable[[str | list], str]) 
         if not isinstance(value, list) or not value:
             return None, f"messages must be a non-empty list of {{role, content}}, got {type(value).__name__}"
         for j, m in enumerate(value):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                return None, f"message {j} is not a {{role: str, content: str}} object: {str(m)[:80]!r}"
+            if (why := message_problem(m)) is not None:
+                return None, f"message {j} {why}: {str(m)[:80]!r}"
         try:
             value = render(value)
         except Exception as e:  # a template error is about this row, not the run
@@ -103,6 +103,24 @@ def conversation(value, is_messages: bool, render: Callable[[str | list], str]) 
     if not value.strip():
         return None, "empty conversation"
     return value if is_messages else render(value), None
+
+
+def message_problem(m) -> str | None:
+    """Why a message cannot be rendered, or None. Its role is a string; its content a string, a list of text parts
+    ({type: "text", text: str}, as OpenAI and Gemma 3 write them), or null beside tool calls (OpenAI's shape for an
+    assistant turn that only calls tools)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return "is not a {role: str, content: str} object"
+    content = m.get("content")
+    if isinstance(content, str):
+        return None
+    if content is None:
+        return None if m.get("tool_calls") else "has no content (null content is taken beside tool_calls only)"
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return None
+    return ("has content that is neither a string nor a list of text parts ({type: 'text', text: str}); other parts "
+            "(images, audio) cannot be scored")
 
 
 def surrogate(s: str) -> str | None:

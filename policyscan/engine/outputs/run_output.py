@@ -64,7 +64,7 @@ class Job:
 # sums the softmax in another order; a chat template step that makes a special-token string of content fails the row;
 # tojson renders as transformers' chat templates render it, without HTML escapes and with keys in their order; a
 # message's null fields are left out and its reasoning is under reasoning_content and thinking, tools and documents
-# are none, as transformers passes them).
+# are none, as transformers passes them; content may be a list of text parts, or null beside tool calls).
 SCORING_REVISION = 6
 
 

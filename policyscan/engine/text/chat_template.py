@@ -51,6 +51,10 @@ class ChatTemplate:
 
     def render(self, messages: list[dict]) -> str:
         if self.source is None:
+            for j, m in enumerate(messages):
+                if not isinstance(m.get("content"), str):
+                    raise ValueError(f"the plain template renders string contents; message {j}'s is "
+                                     f"{type(m.get('content')).__name__}: name a chat template with --chat-template")
             return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
         with _time_limit(self.seconds):
             return _compile(self.source, self.origin).render(messages=messages, bos_token="", tools=None,

@@ -226,7 +226,16 @@ class Conversations:
         a compared value, and no template writes such values beside markup they could complete. Keys are looked up
         by name, so they cannot be marked: a key that holds a special-token string is refused."""
         return {self._key(k): v if k == "role" and isinstance(v, str) and v in STANDARD_ROLES
-                else self._text(how(v)) if isinstance(v, str) else self._deep(v, how) for k, v in message.items()}
+                else self._text(how(v)) if isinstance(v, str)
+                else [self._part(p, how) for p in v] if k == "content" and isinstance(v, list)
+                else self._deep(v, how) for k, v in message.items()}
+
+    def _part(self, part, how):
+        """A part of a content list ({type: "text", text: ...}): its text is content, marked as a string content is."""
+        if not isinstance(part, dict):
+            return self._deep(part, how)
+        return {self._key(k): self._text(how(v)) if k == "text" and isinstance(v, str) else self._deep(v, how)
+                for k, v in part.items()}
 
     def _text(self, v: str) -> Text:
         return Text(v)
