@@ -55,7 +55,7 @@ def test_messages_column_validation(tmp_path):
     assert got[0][2] == "user: hi\nassistant: hello" and got[0][3] is None
     assert "non-empty list" in got[1][3]
     assert "holds a string" in got[2][3]
-    assert "message 0 is not" in got[3][3] and "message 0 is not" in got[4][3]
+    assert "message 0 has no content" in got[3][3] and "message 0 has content that is neither" in got[4][3]
     assert got[0][1] == "m.jsonl:1"  # no id column: file and line
 
 
