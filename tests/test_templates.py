@@ -149,10 +149,8 @@ TRANSFORMERS_STYLE = (
     "{% break %}{% endif %}{% endfor %}{% endif %}\n{% endfor %}")
 
 
-def test_templates_render_as_transformers_renders_them(tmp_path):
-    """The same template and messages through transformers' own chat-template compiler give the same text:
-    loop controls, generation blocks, tools passed as none, tojson without HTML escapes and in key order, null
-    fields left out, reasoning aliased."""
+def _with_transformers(tmp_path: Path, template: str):
+    """transformers' chat-template helpers (the test skips without them) and the sample model with `template`."""
     hf = pytest.importorskip("transformers.utils.chat_template_utils")
     needed = ("_compile_jinja_template", "_normalize_chat_messages", "_alias_reasoning_fields")
     if not all(hasattr(hf, f) for f in needed):
@@ -161,7 +159,15 @@ def test_templates_render_as_transformers_renders_them(tmp_path):
     model.mkdir()
     shutil.copy(SAMPLE / "model" / "tokenizer.json", model / "tokenizer.json")
     cfg = json.loads((SAMPLE / "model" / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TRANSFORMERS_STYLE}))
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    return hf, model
+
+
+def test_templates_render_as_transformers_renders_them(tmp_path):
+    """The same template and messages through transformers' own chat-template compiler give the same text:
+    loop controls, generation blocks, tools passed as none, tojson without HTML escapes and in key order, null
+    fields left out, reasoning aliased."""
+    hf, model = _with_transformers(tmp_path, TRANSFORMERS_STYLE)
     calls = [{"type": "function", "function": {"name": "find", "arguments": {"z": "a < b & c", "a": ["é", 1]}}}] * 3
     messages = [{"role": "system", "content": "Be brief.", "tool_calls": None},
                 {"role": "skip", "content": "never shown"},
@@ -183,14 +189,7 @@ def test_openai_shaped_messages_render_as_transformers_renders_them(tmp_path):
     """Content as a list of text parts (OpenAI, Gemma 3), and null beside tool calls (an assistant turn that only
     calls tools): rendered as transformers renders them, text parts marked as string content is, so a special-token
     string typed in one stays text."""
-    hf = pytest.importorskip("transformers.utils.chat_template_utils")
-    if not all(hasattr(hf, f) for f in ("_compile_jinja_template", "_normalize_chat_messages")):
-        pytest.skip("this transformers does not normalize messages before its chat templates")
-    model = tmp_path / "m"
-    model.mkdir()
-    shutil.copy(SAMPLE / "model" / "tokenizer.json", model / "tokenizer.json")
-    cfg = json.loads((SAMPLE / "model" / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": PARTS_TEMPLATE}))
+    hf, model = _with_transformers(tmp_path, PARTS_TEMPLATE)
     enc = TextEncoder(model)
     messages = [{"role": "user", "content": [{"type": "text", "text": "Find "}, {"type": "text", "text": "it"}]},
                 {"role": "assistant", "content": None,
