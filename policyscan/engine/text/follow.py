@@ -5,16 +5,19 @@ from closing one with the template's markup. A template that transforms content 
 text that held none: `lower` on '<|EOS|>', a `replace` or `join` that closes '<|e os|>' up, two slices printed side
 by side. So a message's strings reach the template as `Text`, and while `checking` holds the run's `Checks`:
 - what a filter, str method, `%`, `*`, `+`, `~`, slice or loop makes of a Text is Text again;
-- a step that builds from parts (`~`, `+`, `*`, join) is refused if a special-token string crosses a seam between
-  two parts, where one part is Text (only the characters around each seam are read, so a loop that accumulates a
-  string stays linear);
+- a step that builds from parts (`~`, `+`, `*`, join) is refused if a special-token string crosses an edge of a
+  part that is Text (only the characters around each edge are read, so a loop that accumulates a string stays
+  linear), or if two marks meet there and would read as one literal character;
 - any other filter or str method is refused if its result holds more special-token strings than its inputs, Text
-  or not (a `{% filter lower %}` block's body is rendered to a plain string first); `format` and `%` only where an
-  input holds Text, since templates build role tokens with them;
+  or not (a `{% filter lower %}` block's body is rendered to a plain string first), but for selections and
+  substrings (SELECTING), which make none; `format` and `%` only where an input holds Text, since templates build
+  role tokens with them;
+- a slice that cuts a mark from what it marks, or keeps every other character, is refused;
 - the template's output is checked as a step that builds from parts: a Text printed with `{{ }}` stays Text until
   the output, a macro's, a `{% set %}` block's or a filter block's body, is joined, so that pieces printed side by
   side cannot close one either;
-- `str.encode` is refused: text turned into bytes cannot be followed.
+- `str.encode` is refused, and sandbox.py refuses bytes and `%c`: text turned into bytes, or a character made of a
+  number, cannot be followed.
 A refusal is the row's error (ContentControlError)."""
 from __future__ import annotations
 
