@@ -12,7 +12,7 @@ by side. So a message's strings reach the template as `Text`, and while `checkin
   or not (a `{% filter lower %}` block's body is rendered to a plain string first), but for selections and
   substrings (SELECTING), which make none; `format` and `%` only where an input holds Text, since templates build
   role tokens with them;
-- a slice that cuts a mark from what it marks, or keeps every other character, is refused;
+- a slice that cuts a mark from what it marks is refused, and one with a step is checked as a filter is;
 - the template's output is checked as a step that builds from parts: a Text printed with `{{ }}` stays Text until
   the output, a macro's, a `{% set %}` block's or a filter block's body, is joined, so that pieces printed side by
   side cannot close one either;
