@@ -100,6 +100,10 @@ def key_block(loop: list[str], warps: int) -> dict:
     return dict(flops=flops, read=read, written=written, forms=forms, ex2=mufu, instructions=len(loop))
 
 
+def _tile(cfg: dict) -> tuple:
+    return cfg["BQ"], cfg["BN"], cfg["num_warps"], cfg["num_stages"], cfg.get("maxnreg")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", default="3,4", help="query heads a key/value head: W1 3, W5 4")
@@ -107,10 +111,12 @@ def main() -> None:
     print(f"{'G':>2} {'rows':>4} {'BN':>3} {'warps':>5} {'stages':>6} {'maxnreg':>7} {'regs':>4} {'spill':>5} "
           f"{'per SM':>6} {'read KB':>7} {'written KB':>10} {'FLOP/byte':>9} {'ex2':>4} {'instr':>5}  wgmma a key block")
     for G in (int(g) for g in args.groups.split(",")):
-        shipped = [attention_tiles(G, D, False)] + [t for _, t in filter(None, [attention_long_tile(G, D, False)])]
-        swept = [dict(BQ=max(1, r // G), BN=bn, num_warps=w, num_stages=s, maxnreg=mr) for r, w, bn, s, mr in SWEPT]
-        for cfg in shipped + [c for c in swept if {**c, "maxnreg": c["maxnreg"] or None} not in
-                              [{"maxnreg": None, **t} for t in shipped]]:
+        long = attention_long_tile(G, D, False)
+        shipped = [attention_tiles(G, D, False)] + ([long[1]] if long else [])
+        swept = [dict(BQ=max(1, r // G), BN=bn, num_warps=w, num_stages=s, maxnreg=mr)
+                 for r, w, bn, s, mr in SWEPT]
+        seen = {_tile(t) for t in shipped}
+        for cfg in shipped + [c for c in swept if _tile(c) not in seen]:
             report, sass, smem = compile_tile(G, cfg)
             regs = int(re.search(r"Used (\d+) registers", report).group(1))
             spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))

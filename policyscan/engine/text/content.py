@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from policyscan.engine.errors import InputError
 from policyscan.engine.text.chat_template import ChatTemplate
-from policyscan.engine.text.follow import Text, checking
+from policyscan.engine.text.follow import Text, checking, strings
 
 ESC = "\ufdd0"  # before a special-token string of content: it is text
 BRK = "\ufdd1"  # a seam break: nothing matches across it
@@ -209,10 +209,10 @@ class Conversations:
         marked = [self._each(m, self.guard.mark) for m in value]
         with checking(self.guard):
             text = str(self.template.render(marked))  # a plain str: a Text's pieces are followed, at a cost
-        strings = _strings(marked)
-        if any(self.guard.needs_reading(v) for v in strings):
+        texts = strings(marked)
+        if any(self.guard.needs_reading(v) for v in texts):
             self.guard.check_passed_through(text, self.template.render(value))
-            if any(ESC in v for v in strings):  # a special string marked
+            if any(ESC in v for v in texts):  # a special string marked
                 with checking(self.guard):
                     stood_in = self.template.render([self._each(m, self.guard.stand_in) for m in value])
                 self.guard.check_markup(text, stood_in)
@@ -226,7 +226,7 @@ class Conversations:
         a compared value, and no template writes such values beside markup they could complete. Keys are looked up
         by name, so they cannot be marked: a key that holds a special-token string is refused."""
         return {self._key(k): v if k == "role" and isinstance(v, str) and v in STANDARD_ROLES
-                else self._text(how(v)) if isinstance(v, str)
+                else Text(how(v)) if isinstance(v, str)
                 else [self._part(p, how) for p in v] if k == "content" and isinstance(v, list)
                 else self._deep(v, how) for k, v in message.items()}
 
@@ -234,15 +234,12 @@ class Conversations:
         """A part of a content list ({type: "text", text: ...}): its text is content, marked as a string content is."""
         if not isinstance(part, dict):
             return self._deep(part, how)
-        return {self._key(k): self._text(how(v)) if k == "text" and isinstance(v, str) else self._deep(v, how)
+        return {self._key(k): Text(how(v)) if k == "text" and isinstance(v, str) else self._deep(v, how)
                 for k, v in part.items()}
-
-    def _text(self, v: str) -> Text:
-        return Text(v)
 
     def _deep(self, v, how):
         if isinstance(v, str):
-            return self._text(how(v) if self.guard.holds_special(v) else v)
+            return Text(how(v) if self.guard.holds_special(v) else v)
         if isinstance(v, (list, tuple)):  # a Parquet map arrives as a list of (key, value) tuples
             return type(v)(self._deep(x, how) for x in v)
         if isinstance(v, dict):
@@ -275,17 +272,6 @@ def _as_transformers_passes(message: dict) -> dict:
     message = {k: v for k, v in message.items() if v is not None}
     reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
     return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
-
-
-def _strings(v) -> list[str]:
-    """Every string value at any depth of messages (lists and dicts)."""
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return [s for x in v for s in _strings(x)]
-    if isinstance(v, dict):
-        return [s for x in v.values() for s in _strings(x)]
-    return []
 
 
 def _shown(k: str) -> str:

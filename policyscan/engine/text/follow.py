@@ -36,7 +36,6 @@ SELECTING = frozenset({"select", "reject", "selectattr", "rejectattr", "list", "
                        "startswith", "endswith", "find", "rfind", "index", "rindex", "removeprefix",
                        "removesuffix", "isalpha", "isdigit", "isspace", "isupper", "islower", "isalnum", "istitle"})
 _CHECKS: ContextVar[Checks | None] = ContextVar("template_checks", default=None)
-_DEPTH = 32  # how deep into lists and dicts a step's inputs are searched for strings (JSON nests no deeper)
 
 
 class Checks(Protocol):
@@ -122,8 +121,8 @@ def transformed(step: str, inputs: tuple, made, strict: bool, also_held: int = 0
         return made
     tainted = _tainted(inputs)
     if tainted or strict:
-        held_by_made = checks.count(_strings((made,)))
-        if held_by_made and held_by_made > checks.count(_strings(inputs)) + also_held:
+        held_by_made = checks.count(strings((made,)))
+        if held_by_made and held_by_made > checks.count(strings(inputs)) + also_held:
             raise ContentControlError(step)
     return _follow_result(made) if tainted else made
 
@@ -154,9 +153,9 @@ def method(name: str, owner: str, args: tuple, kwargs: dict, call: Callable):
         made = call(*args, **kwargs)
         return joined("str.join", _interleaved(args[0], owner), made) if isinstance(args[0], list) else made
     made = call(*args, **kwargs)
-    also = _replaced(owner, args) if name == "replace" else 0
     if name in SELECTING:
         return _follow_result(made) if _tainted((owner, *args)) and _CHECKS.get() is not None else made
+    also = _replaced(owner, args) if name == "replace" else 0
     return transformed(f"str.{name}", (owner, *args, *kwargs.values()), made, strict=name not in BUILDING,
                        also_held=also)
 
@@ -205,7 +204,7 @@ def _tainted(values) -> bool:
     for v in values:
         if type(v) is Text:
             return True
-        if isinstance(v, (list, tuple, dict)) and any(type(x) is Text for x in _strings((v,))):
+        if isinstance(v, (list, tuple, dict)) and any(type(x) is Text for x in strings((v,))):
             return True
     return False
 
@@ -226,16 +225,17 @@ def _as_text(v):
     return Text(v) if isinstance(v, str) and not isinstance(v, Text) else v  # Markup too: nothing is escaped
 
 
-def _strings(values, depth: int = _DEPTH) -> list[str]:
-    """The strings among `values`, and in their lists, tuples and dict values down to `depth` levels."""
+def strings(values) -> list[str]:
+    """The strings among `values`, and in their lists, tuples and dict values at any depth (a message's, a step's
+    inputs)."""
     out = []
     for v in values:
         if isinstance(v, str):
             out.append(v)
-        elif depth and isinstance(v, (list, tuple)):
-            out += _strings(v, depth - 1)
-        elif depth and isinstance(v, dict):
-            out += _strings(list(v.values()), depth - 1)
+        elif isinstance(v, (list, tuple)):
+            out += strings(v)
+        elif isinstance(v, dict):
+            out += strings(v.values())
     return out
 
 
@@ -247,6 +247,4 @@ def _listed(v):
 def _parts(v):
     """What a join joins, as a list: a list's or tuple's items, a string's characters (Text if it is), a mapping's
     keys, a view's or an iterator's items."""
-    if isinstance(v, (list, tuple)):
-        return list(v)
-    return list(v) if isinstance(v, str) or hasattr(v, "__iter__") else v
+    return list(v) if hasattr(v, "__iter__") else v
